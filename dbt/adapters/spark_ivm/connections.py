@@ -1,0 +1,182 @@
+"""Credentials and connections: dbt-spark's, plus a zero-config embedded Spark.
+
+With ``method: session`` and nothing else, Spark starts in-process with Delta
+Lake, a Derby metastore and a warehouse at absolute paths under the dbt
+project's ``.dbt_ivm/`` folder, and change data feed on for new Delta tables.
+Every default can be overridden by a profile field or ``server_side_parameters``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from dbt.adapters.contracts.connection import Connection, ConnectionState
+from dbt.adapters.events.logging import AdapterLogger
+from dbt.adapters.spark.connections import (
+    SparkConnectionManager,
+    SparkConnectionMethod,
+    SparkCredentials,
+)
+
+logger = AdapterLogger("spark_ivm")
+
+DELTA_PACKAGE = "io.delta:delta-spark_4.2_2.13:4.4.0"
+
+
+@dataclass
+class SparkIvmCredentials(SparkCredentials):
+    # Where the embedded session keeps its data (session method only). Relative
+    # paths resolve against the dbt project directory, never the working directory.
+    warehouse_dir: Optional[str] = None
+    metastore_dir: Optional[str] = None
+    spark_master: Optional[str] = None
+
+    @property
+    def type(self) -> str:
+        return "spark_ivm"
+
+    def _connection_keys(self):
+        return tuple(super()._connection_keys()) + ("warehouse_dir", "metastore_dir")
+
+
+def _project_dir() -> str:
+    try:
+        from dbt.flags import get_flags
+
+        project_dir = getattr(get_flags(), "PROJECT_DIR", None)
+    except Exception:  # flags not set (e.g. a library caller)
+        project_dir = None
+    return os.path.abspath(project_dir or os.getcwd())
+
+
+def embedded_spark_conf(creds: SparkIvmCredentials) -> dict[str, str]:
+    """Spark settings for the embedded session: defaults, then profile overrides."""
+    home = os.path.join(_project_dir(), ".dbt_ivm")
+
+    def absolute(path: Optional[str], default: str) -> str:
+        path = path or default
+        return path if os.path.isabs(path) else os.path.join(_project_dir(), path)
+
+    warehouse = absolute(creds.warehouse_dir, os.path.join(home, "warehouse"))
+    metastore = absolute(creds.metastore_dir, os.path.join(home, "metastore_db"))
+    conf = {
+        "spark.master": creds.spark_master or "local[*]",
+        "spark.app.name": "dbt-ivm",
+        "spark.jars.packages": DELTA_PACKAGE,
+        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+        "spark.sql.warehouse.dir": warehouse,
+        "spark.hadoop.javax.jdo.option.ConnectionURL": f"jdbc:derby:;databaseName={metastore};create=true",
+        "spark.driver.extraJavaOptions": f"-Dderby.system.home={os.path.dirname(metastore)}",
+        "spark.databricks.delta.properties.defaults.enableChangeDataFeed": "true",
+        # Small local tables: Delta's default 50 snapshot partitions cost more
+        # than the work on every refresh.
+        "spark.databricks.delta.snapshotPartitions": "2",
+        "spark.sql.shuffle.partitions": "8",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.session.timeZone": "UTC",
+    }
+    conf.update(creds.server_side_parameters)
+    return conf
+
+
+_SESSION_LOCK = threading.Lock()
+
+
+def spark_session(conf: dict[str, str]):
+    """The process's Spark session, started with ``conf`` on first use."""
+    from pyspark.sql import SparkSession
+
+    with _SESSION_LOCK:
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            return active
+        builder = SparkSession.builder.enableHiveSupport()
+        for key, value in conf.items():
+            builder = builder.config(key, value)
+        session = builder.getOrCreate()
+        session.sparkContext.setLogLevel("ERROR")
+        return session
+
+
+class _IsolatedCursor:
+    """dbt-spark's session cursor over a session of its own: SQL confs (the
+    watermark, the idempotent-write id) set by one dbt thread never leak into
+    another thread's writes. Catalog, cache and SparkContext stay shared."""
+
+    def __init__(self, session, runtime_conf: dict[str, str]):
+        self._session = session
+        self._runtime_conf = runtime_conf
+        self._df = None
+        self._rows = None
+
+    def execute(self, sql: str, *parameters: Any) -> None:
+        from dbt_common.exceptions import DbtRuntimeError
+        from pyspark.errors import PySparkException
+
+        if parameters:
+            sql = sql % parameters
+        try:
+            self._df = self._session.sql(sql)
+        except PySparkException as exc:
+            raise DbtRuntimeError(str(exc)) from exc
+        self._rows = None
+
+    def fetchall(self):
+        if self._rows is None and self._df is not None:
+            self._rows = self._df.collect()
+        return self._rows
+
+    def fetchone(self):
+        rows = self.fetchall()
+        return rows.pop(0) if rows else None
+
+    @property
+    def description(self):
+        if self._df is None:
+            return []
+        return [
+            (f.name, f.dataType.simpleString(), None, None, None, None, f.nullable)
+            for f in self._df.schema.fields
+        ]
+
+    def close(self) -> None:
+        self._df = None
+        self._rows = None
+
+
+class _IsolatedConnection:
+    def __init__(self, conf: dict[str, str]):
+        root = spark_session(conf)
+        self.session = root.newSession()
+        for key, value in conf.items():
+            if key.startswith("spark.sql.") and not key.startswith(("spark.sql.extensions", "spark.sql.catalog", "spark.sql.warehouse")):
+                try:
+                    self.session.conf.set(key, value)
+                except Exception:  # a static conf: already applied at start
+                    pass
+
+    def cursor(self) -> _IsolatedCursor:
+        return _IsolatedCursor(self.session, {})
+
+
+class SparkIvmConnectionManager(SparkConnectionManager):
+    TYPE = "spark_ivm"
+
+    @classmethod
+    def open(cls, connection: Connection) -> Connection:
+        creds = connection.credentials
+        if creds.method != SparkConnectionMethod.SESSION:
+            return super().open(connection)
+        if connection.state == ConnectionState.OPEN:
+            return connection
+        from dbt.adapters.spark.session import SessionConnectionWrapper
+
+        conf = embedded_spark_conf(creds)
+        connection.handle = SessionConnectionWrapper(_IsolatedConnection(conf))  # type: ignore[arg-type]
+        connection.state = ConnectionState.OPEN
+        return connection

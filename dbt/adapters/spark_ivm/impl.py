@@ -1,0 +1,123 @@
+"""The adapter: dbt-spark's, plus a few ``@available`` bridges into dbt_ivm."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from dbt.adapters.base import available
+from dbt.adapters.base.impl import AdapterTrackingRelationInfo
+from dbt.adapters.contracts.connection import AdapterResponse
+from dbt.adapters.events.logging import AdapterLogger
+from dbt.adapters.spark.impl import SparkAdapter
+from dbt_common.exceptions import CompilationError, DbtRuntimeError
+
+from dbt.adapters.spark_ivm.connections import SparkIvmConnectionManager
+
+logger = AdapterLogger("spark_ivm")
+
+
+@dataclass
+class IvmAdapterResponse(AdapterResponse):
+    """run_results.json's adapter_response for an incremental_mv: ``code`` is the
+    strategy (CREATE, NOOP, INCREMENTAL, PARTITION, FULL)."""
+
+    reason: Optional[str] = None
+    reason_detail: Optional[str] = None
+    seconds: Optional[float] = None
+    changed_sources: Optional[list] = None
+    rows: Optional[dict] = None
+
+
+class _Executor:
+    """dbt_ivm's Executor over this adapter's thread connection."""
+
+    def __init__(self, adapter: "SparkIvmAdapter"):
+        self.adapter = adapter
+        self.timings: list = []
+
+    def query(self, sql: str) -> list[tuple]:
+        start = time.time()
+        _, cursor = self.adapter.connections.add_query(sql, auto_begin=False)
+        rows = [tuple(r) for r in cursor.fetchall() or []]
+        logger.debug(f"dbt_ivm: {time.time() - start:.2f}s {sql[:120]}")
+        self.timings.append((round(time.time() - start, 2), sql[:60]))
+        return rows
+
+
+class SparkIvmAdapter(SparkAdapter):
+    ConnectionManager = SparkIvmConnectionManager
+
+    @classmethod
+    def type(cls) -> str:
+        return "spark_ivm"
+
+    @classmethod
+    def get_adapter_run_info(cls, config: Any) -> AdapterTrackingRelationInfo:
+        from dbt.adapters.spark_ivm.__version__ import version
+
+        from importlib import import_module
+
+        return AdapterTrackingRelationInfo(
+            adapter_name="spark_ivm",
+            base_adapter_version=import_module("dbt.adapters.__about__").version,
+            adapter_version=version,
+            model_adapter_details={},
+        )
+
+    @available
+    def ivm_validate_config(self, config: dict) -> dict:
+        """Checked config values, or a compilation error naming the valid ones."""
+        from dbt_ivm.errors import IvmConfigError
+        from dbt_ivm.refresh import validate_config
+
+        try:
+            return validate_config(dict(config))
+        except IvmConfigError as e:
+            raise CompilationError(str(e)) from e
+
+    @available
+    def ivm_refresh(self, sql: str, relation: Any, config: dict, full_refresh: bool) -> IvmAdapterResponse:
+        """Plan and apply one refresh of an incremental_mv; returns what ran and why."""
+        from dbt_ivm.errors import IvmConfigError, IvmError
+        from dbt_ivm.refresh import Refresher
+
+        name = f"{relation.schema}.{relation.identifier}"
+        try:
+            ex = _Executor(self)
+            result = Refresher(ex, sql, name, dict(config), bool(full_refresh)).run()
+            if os.environ.get("DBT_IVM_TIMINGS"):
+                print("\n".join(f"    {t:6.2f}s {q}" for t, q in ex.timings))
+        except IvmConfigError as e:
+            raise CompilationError(f"incremental_mv {name}: {e}") from e
+        except IvmError as e:
+            raise DbtRuntimeError(f"incremental_mv {name}: {e}") from e
+        message = result.message()
+        logger.info(f"incremental_mv {name}: {message}")
+        return IvmAdapterResponse(
+            _message=message,
+            code=result.strategy,
+            rows_affected=sum(result.rows.get(k, 0) for k in ("inserted", "updated", "deleted")) or None,
+            reason=result.reason.code if result.reason else None,
+            reason_detail=result.reason.detail if result.reason else None,
+            seconds=round(result.seconds, 3),
+            changed_sources=result.changed_sources or None,
+            rows=result.rows or None,
+        )
+
+    @available
+    def ivm_consistency_sql(self, relation: Any, limit: int = 0) -> str:
+        """SQL returning the rows where the MV differs from a full recompute at the
+        source versions its watermark records (empty when consistent)."""
+        from dbt_ivm.audit import consistency_sql
+        from dbt_ivm.refresh import read_watermark, state_name
+
+        name = f"{relation.schema}.{relation.identifier}"
+        _, wm = read_watermark(_Executor(self), state_name(name.lower()))
+        if wm is None:
+            raise DbtRuntimeError(
+                f"ivm_consistent: {name} has no dbt-ivm watermark; is it an incremental_mv that has been run?"
+            )
+        return consistency_sql(wm, name)

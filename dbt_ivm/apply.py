@@ -1,0 +1,286 @@
+"""State table, view and the one MERGE per refresh.
+
+State layout (DESIGN.md §4), by root operator:
+
+* bag / distinct: the visible columns, ``__ivm_rid`` (xxhash64 of them) and
+  ``__ivm_count`` (the row's multiplicity); one state row per distinct row.
+* aggregate: the visible columns, the group keys ``__ivm_k<i>``, ``__ivm_count``
+  (rows in the group) and per-aggregate state ``__ivm_a<j>_sum|nn|v``.
+
+A full build is the incremental insert path applied to an empty state: the same
+state-row constructor (``_new_state``) builds both, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import sqlglot
+from sqlglot import exp
+
+from dbt_ivm.catalog import DELTA, MV, Source
+from dbt_ivm.delta import NEW, W, Window, delta, quote, snapshot
+from dbt_ivm.plan import AGGREGATE, BAG, DIALECT, PREFIX, Plan, parse, table_name
+
+COUNT = f"{PREFIX}count"
+RID = f"{PREFIX}rid"
+RC = f"{PREFIX}rc"
+
+
+def _sql(e: exp.Expression) -> str:
+    return e.sql(dialect=DIALECT)
+
+
+def _nullsafe_on(cols: list[str], left: str, right: str) -> str:
+    if not cols:
+        return "TRUE"
+    return " AND ".join(f"{left}.{quote(c)} <=> {right}.{quote(c)}" for c in cols)
+
+
+# --------------------------------------------------------------------------- bag / distinct
+
+
+def _consolidated(rel: str, cols: list[str]) -> str:
+    names = ", ".join(quote(c) for c in cols)
+    return (
+        f"SELECT {names}, SUM({W}) AS {COUNT} FROM ({rel}) AS {PREFIX}d "
+        f"GROUP BY {names} HAVING SUM({W}) <> 0"
+    )
+
+
+def _rid(cols: list[str], alias: str = "") -> str:
+    prefix = f"{alias}." if alias else ""
+    return f"xxhash64({', '.join(prefix + quote(c) for c in cols)})"
+
+
+def _bag_state(plan: Plan, window: Window) -> str:
+    names = ", ".join(quote(c) for c in plan.columns)
+    rel = _sql(snapshot(plan.input, window, NEW))
+    return (
+        f"SELECT {names}, {_rid(plan.columns)} AS {RID}, {COUNT} FROM ("
+        f"{_consolidated(rel, plan.columns)}) AS {PREFIX}s"
+    )
+
+
+def _bag_merge(plan: Plan, state: str, window: Window) -> Optional[str]:
+    d = delta(plan.input, window)
+    if d is None:
+        return None
+    cols = plan.columns
+    insert_cols = [quote(c) for c in cols] + [RID, COUNT]
+    insert_vals = [f"s.{quote(c)}" for c in cols] + [_rid(cols, "s"), f"s.{COUNT}"]
+    return (
+        f"MERGE INTO {quote(state)} AS t USING ({_consolidated(_sql(d), cols)}) AS s "
+        f"ON {_nullsafe_on(cols, 't', 's')} "
+        f"WHEN MATCHED AND t.{COUNT} + s.{COUNT} <= 0 THEN DELETE "
+        f"WHEN MATCHED THEN UPDATE SET {COUNT} = t.{COUNT} + s.{COUNT} "
+        f"WHEN NOT MATCHED AND s.{COUNT} > 0 THEN INSERT ({', '.join(insert_cols)}) "
+        f"VALUES ({', '.join(insert_vals)})"
+    )
+
+
+# --------------------------------------------------------------------------- aggregate
+
+
+def _aggregate_input(plan: Plan, rel: str) -> str:
+    """Per-group state changes of a weighted relation (a delta or a snapshot)."""
+    keys = [f"{PREFIX}k{i}" for i in range(len(plan.keys))]
+    cols = [f"COALESCE(SUM({W}), 0) AS {COUNT}"]
+    for a in plan.aggregates:
+        x = quote(a.arg)
+        if a.func in ("sum", "avg"):
+            cols.append(f"SUM({x} * {W}) AS {a.col('sum')}")
+        if a.func in ("sum", "avg", "count"):
+            cols.append(f"COALESCE(SUM(CASE WHEN {x} IS NOT NULL THEN {W} ELSE 0 END), 0) AS {a.col('nn')}")
+        if a.func in ("min", "max"):
+            cols.append(f"{a.func.upper()}(CASE WHEN {W} > 0 THEN {x} END) AS {a.col('ins')}")
+    if plan.has_minmax:
+        cols.append(f"COALESCE(MAX(CASE WHEN {W} < 0 THEN 1 ELSE 0 END), 0) = 1 AS {RC}")
+    group = f" GROUP BY {', '.join(keys)}" if keys else ""
+    return f"SELECT {', '.join(keys + cols)} FROM ({rel}) AS {PREFIX}d{group}"
+
+
+def _new_state(plan: Plan, t: Optional[str], types: dict) -> dict[str, str]:
+    """SQL for every state column after applying the change row ``s`` to the state
+    row ``t`` (``t`` None: there is no state row yet)."""
+    def plus(col: str) -> str:
+        return f"(t.{col} + s.{col})" if t else f"s.{col}"
+
+    out: dict[str, str] = {}
+    for i in range(len(plan.keys)):
+        out[f"{PREFIX}k{i}"] = f"s.{PREFIX}k{i}"
+    out[COUNT] = plus(COUNT)
+    for a in plan.aggregates:
+        if a.func in ("sum", "avg", "count"):
+            out[a.col("nn")] = plus(a.col("nn"))
+        if a.func in ("sum", "avg"):
+            total = f"COALESCE(t.{a.col('sum')}, 0) + COALESCE(s.{a.col('sum')}, 0)" if t else f"s.{a.col('sum')}"
+            out[a.col("sum")] = f"CASE WHEN {out[a.col('nn')]} = 0 THEN NULL ELSE {total} END"
+        if a.func in ("min", "max"):
+            pick = "LEAST" if a.func == "min" else "GREATEST"
+            merged = f"{pick}(t.{a.col('v')}, s.{a.col('ins')})" if t else f"s.{a.col('ins')}"
+            out[a.col("v")] = (
+                f"CASE WHEN s.{RC} THEN s.{a.col('rcv')} ELSE {merged} END" if t else merged
+            )
+    visible = {}
+    for name, expr in zip(plan.columns, plan.outputs):
+        value = _finalize(plan, expr, out)
+        visible[name] = f"CAST({value} AS {types[name]})" if name in types else value
+    return {**visible, **out}
+
+
+def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, str]) -> str:
+    """The visible value of a select expression, from new state column values."""
+    by_call = {a.call.sql(DIALECT): a for a in plan.aggregates}
+
+    def value(a) -> str:
+        if a.func == "count_star":
+            return state[COUNT]
+        if a.func == "count":
+            return state[a.col("nn")]
+        if a.func == "sum":
+            return state[a.col("sum")]
+        if a.func == "avg":
+            nn = state[a.col("nn")]
+            return f"CASE WHEN {nn} = 0 THEN NULL ELSE ({state[a.col('sum')]}) / {nn} END"
+        return state[a.col("v")]
+
+    def repl(node: exp.Expression) -> exp.Expression:
+        for i, key in enumerate(plan.keys):
+            if node == key:
+                return exp.paren(sqlglot.parse_one(state[f"{PREFIX}k{i}"], read=DIALECT))
+        if isinstance(node, exp.AggFunc):
+            return exp.paren(sqlglot.parse_one(value(by_call[node.sql(DIALECT)]), read=DIALECT))
+        return node
+
+    return _sql(expr.copy().transform(repl))
+
+
+def _aggregate_state(plan: Plan, window: Window, types: dict) -> str:
+    rel = _sql(snapshot(plan.input, window, NEW))
+    cols = _new_state(plan, None, types)
+    select = ", ".join(f"{v} AS {quote(k)}" for k, v in cols.items())
+    return f"SELECT {select} FROM ({_aggregate_input(plan, rel)}) AS s"
+
+
+def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict) -> Optional[str]:
+    d = delta(plan.input, window)
+    if d is None:
+        return None
+    keys = plan.key_columns
+    inputs = keys + [a.arg for a in plan.aggregates if a.func != "count_star"] or [f"{PREFIX}one"]
+    names = ", ".join(quote(c) for c in inputs)
+    consolidated = (
+        f"SELECT {names}, SUM({W}) AS {W} FROM ({_sql(d)}) AS {PREFIX}d0 "
+        f"GROUP BY {names} HAVING SUM({W}) <> 0"
+    )
+    source = _aggregate_input(plan, consolidated)
+    if plan.has_minmax:
+        source = _with_recompute(plan, source, window)
+    new_t, new_s = _new_state(plan, "t", types), _new_state(plan, None, types)
+    sets = ", ".join(f"{quote(k)} = {v}" for k, v in new_t.items() if k not in keys)
+    insert_cols = ", ".join(quote(k) for k in new_s)
+    insert_vals = ", ".join(new_s.values())
+    delete = "" if plan.scalar else f"WHEN MATCHED AND t.{COUNT} + s.{COUNT} <= 0 THEN DELETE "
+    return (
+        f"MERGE INTO {quote(state)} AS t USING ({source}) AS s "
+        f"ON {_nullsafe_on(keys, 't', 's')} {delete}"
+        f"WHEN MATCHED THEN UPDATE SET {sets} "
+        f"WHEN NOT MATCHED AND s.{COUNT} > 0 THEN INSERT ({insert_cols}) VALUES ({insert_vals})"
+    )
+
+
+def _with_recompute(plan: Plan, source: str, window: Window) -> str:
+    """MIN/MAX cannot be un-applied: groups that lost rows are recomputed from the
+    new snapshot, reading only those groups (semi-join on the affected keys)."""
+    keys = plan.key_columns
+    minmax = [a for a in plan.aggregates if a.func in ("min", "max")]
+    rel = _sql(snapshot(plan.input, window, NEW))
+    aggs = ", ".join(f"{a.func.upper()}(r.{quote(a.arg)}) AS {a.col('rcv')}" for a in minmax)
+    key_list = ", ".join(f"r.{k}" for k in keys)
+    affected = f"SELECT {', '.join(keys) or '1 AS one'} FROM {PREFIX}agg WHERE {RC}"
+    recompute = (
+        f"SELECT {key_list + ', ' if keys else ''}{aggs} FROM ({rel}) AS r "
+        f"LEFT SEMI JOIN ({affected}) AS f ON {_nullsafe_on(keys, 'r', 'f')}"
+        + (f" GROUP BY {key_list}" if keys else "")
+    )
+    rcv = ", ".join(f"rc.{a.col('rcv')}" for a in minmax)
+    return (
+        f"WITH {PREFIX}agg AS ({source}), {PREFIX}rc AS ({recompute}) "
+        f"SELECT a.*, {rcv} FROM {PREFIX}agg AS a LEFT JOIN {PREFIX}rc AS rc "
+        f"ON {_nullsafe_on(keys, 'a', 'rc')}"
+    )
+
+
+# --------------------------------------------------------------------------- public
+
+
+def state_query(plan: Plan, window: Window, types: dict) -> str:
+    """SELECT producing the whole state table at the window's new versions."""
+    if plan.kind == AGGREGATE:
+        return _aggregate_state(plan, window, types)
+    return _bag_state(plan, window)
+
+
+def merge_statement(plan: Plan, state: str, window: Window, types: dict) -> Optional[str]:
+    """The one MERGE applying the window's changes to the state; None if no
+    source the plan reads changed."""
+    if plan.kind == AGGREGATE:
+        return _aggregate_merge(plan, state, window, types)
+    return _bag_merge(plan, state, window)
+
+
+def bag_state_of_query(query: str, columns: list[str]) -> str:
+    """State of a query maintained only by rebuilds: its rows as a bag."""
+    names = ", ".join(quote(c) for c in columns)
+    return (
+        f"SELECT {names}, {_rid(columns)} AS {RID}, COUNT(*) AS {COUNT} "
+        f"FROM ({query}) AS {PREFIX}q GROUP BY {names}"
+    )
+
+
+def view_query(kind: str, columns: list[str], state: str) -> str:
+    """The relation dbt exposes: exactly the model's columns over the state."""
+    names = ", ".join(quote(c) for c in columns)
+    if kind == BAG:
+        return (
+            f"SELECT {names} FROM {quote(state)} LATERAL VIEW "
+            f"explode(sequence(CAST(1 AS BIGINT), {COUNT})) {PREFIX}e AS {PREFIX}i"
+        )
+    return f"SELECT {names} FROM {quote(state)}"
+
+
+def pinned_query(sql: str, sources: list[Source], versions: dict) -> str:
+    """The model's own SQL reading every source at the given versions (physical
+    table → version): what a full recompute at those versions returns."""
+    tree = parse(sql)
+    by_name = {s.name: s for s in sources}
+    ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
+    for table in list(tree.find_all(exp.Table)):
+        name = table_name(table)
+        if not table.name or name not in by_name or (not table.db and name in ctes):
+            continue
+        src = by_name[name]
+        version = versions.get(src.physical)
+        if src.kind == MV:
+            cols = ", ".join(quote(c) for c in src.column_names)
+            at = f" VERSION AS OF {int(version)}" if version is not None else ""
+            body = f"SELECT {cols} FROM {quote(src.physical)}{at}"
+            if src.multiplicity:
+                body += (
+                    f" LATERAL VIEW explode(sequence(CAST(1 AS BIGINT), {quote(src.multiplicity)}))"
+                    f" {PREFIX}e AS {PREFIX}i"
+                )
+            alias = table.alias or table.name
+            table.replace(
+                exp.Subquery(
+                    this=sqlglot.parse_one(body, read=DIALECT),
+                    alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True)),
+                )
+            )
+        elif src.kind == DELTA and version is not None:
+            table.set(
+                "version",
+                exp.Version(this="VERSION", kind="AS OF", expression=exp.Literal.number(int(version))),
+            )
+    return _sql(tree)

@@ -1,0 +1,156 @@
+"""Delta rules: one per operator, over weighted relations.
+
+Every relation rendered here carries its columns plus a weight column
+``__ivm_w``: +n means n copies of the row were added, -n that n were removed.
+A snapshot row has weight 1 (or its multiplicity, for a row of an upstream
+incremental_mv's state table). The rules (DESIGN.md §5):
+
+* scan:   snapshot = ``t VERSION AS OF v``; delta = ``table_changes(t, v_old+1, v_new)``
+          with +w for insert/update_postimage and -w for delete/update_preimage;
+* block:  filters and projections pass weights through; an n-way inner join
+          multiplies them and telescopes: Δ(R1⋈…⋈Rn) = Σi R1'⋈…⋈R(i-1)'⋈ΔRi⋈R(i+1)⋈…⋈Rn,
+          where X' is X at the new versions and X at the old ones — exact for bags,
+          self-joins included (each occurrence is its own term);
+* union:  the union of the arms' deltas.
+
+Aggregation, DISTINCT and bag consolidation sit at the root: ``dbt_ivm.apply``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import sqlglot
+from sqlglot import exp
+
+from dbt_ivm.catalog import Source
+from dbt_ivm.plan import DIALECT, Block, Node, Scan, UnionAll
+
+W = "__ivm_w"
+OLD, NEW = "old", "new"
+
+
+@dataclass(frozen=True)
+class Window:
+    """The versions a refresh reads: each source's Delta version at the last
+    refresh (``old``) and now (``new``), keyed by physical table name."""
+
+    old: dict = field(default_factory=dict)
+    new: dict = field(default_factory=dict)
+
+    def version(self, source: Source, side: str) -> Optional[int]:
+        return (self.old if side == OLD else self.new).get(source.physical)
+
+    def changed(self, source: Source) -> bool:
+        return self.old.get(source.physical) != self.new.get(source.physical)
+
+
+def quote(name: str) -> str:
+    """Backtick-quote a (possibly dotted) identifier."""
+    return ".".join(f"`{p.replace('`', '``')}`" for p in name.split("."))
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def snapshot(node: Node, window: Window, side: str) -> exp.Query:
+    """The node's rows at the old or new versions, with weights."""
+    if isinstance(node, Scan):
+        return _scan_snapshot(node.source, window.version(node.source, side))
+    if isinstance(node, Block):
+        return _render_block(node, [snapshot(child, window, side) for _, child in node.items])
+    if isinstance(node, UnionAll):
+        return _union([snapshot(arm, window, side) for arm in node.arms])
+    raise TypeError(f"no snapshot rule for {type(node).__name__}")
+
+
+def delta(node: Node, window: Window) -> Optional[exp.Query]:
+    """The node's change between the old and new versions, or None if no source
+    under it changed."""
+    if isinstance(node, Scan):
+        return _scan_delta(node.source, window) if window.changed(node.source) else None
+    if isinstance(node, Block):
+        return _block_delta(node, window)
+    if isinstance(node, UnionAll):
+        parts = [d for d in (delta(arm, window) for arm in node.arms) if d is not None]
+        return _union(parts) if parts else None
+    raise TypeError(f"no delta rule for {type(node).__name__}")
+
+
+def changed(node: Node, window: Window) -> bool:
+    if isinstance(node, Scan):
+        return window.changed(node.source)
+    children = [c for _, c in node.items] if isinstance(node, Block) else node.arms
+    return any(changed(c, window) for c in children)
+
+
+# --------------------------------------------------------------------------- scan
+
+
+def _weight(source: Source) -> str:
+    return quote(source.multiplicity) if source.multiplicity else "1"
+
+
+def _scan_snapshot(source: Source, version: Optional[int]) -> exp.Query:
+    cols = ", ".join(quote(c) for c in source.column_names)
+    at = f" VERSION AS OF {int(version)}" if version is not None else ""
+    return sqlglot.parse_one(
+        f"SELECT {cols}, {_weight(source)} AS {W} FROM {quote(source.physical)}{at}", read=DIALECT
+    )
+
+
+def _scan_delta(source: Source, window: Window) -> exp.Query:
+    start = int(window.old[source.physical]) + 1
+    end = int(window.new[source.physical])
+    cols = ", ".join(quote(c) for c in source.column_names)
+    w = _weight(source)
+    name = source.physical.replace("'", "\\'")
+    return sqlglot.parse_one(
+        f"SELECT {cols}, CASE WHEN _change_type IN ('insert', 'update_postimage') "
+        f"THEN {w} ELSE -{w} END AS {W} FROM table_changes('{name}', {start}, {end})",
+        read=DIALECT,
+    )
+
+
+# --------------------------------------------------------------------------- block
+
+
+def _render_block(block: Block, relations: list[exp.Query]) -> exp.Select:
+    """The block's SELECT with each FROM/JOIN relation replaced by a weighted
+    relation under the same alias, and the product of weights appended."""
+    select = block.select.copy()
+    slots = [select.args["from_"]] + list(select.args.get("joins") or [])
+    for slot, (alias, _), rel in zip(slots, block.items, relations):
+        slot.set("this", exp.Subquery(this=rel, alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True))))
+    weight: exp.Expression = exp.column(W, table=exp.to_identifier(block.items[0][0], quoted=True))
+    for alias, _ in block.items[1:]:
+        weight = exp.Mul(this=weight, expression=exp.column(W, table=exp.to_identifier(alias, quoted=True)))
+    select.append("expressions", exp.alias_(weight, W, quoted=True))
+    return select
+
+
+def _block_delta(block: Block, window: Window) -> Optional[exp.Query]:
+    terms = []
+    children = [child for _, child in block.items]
+    for i, child in enumerate(children):
+        d = delta(child, window)
+        if d is None:
+            continue
+        rels = (
+            [snapshot(c, window, NEW) for c in children[:i]]
+            + [d]
+            + [snapshot(c, window, OLD) for c in children[i + 1 :]]
+        )
+        terms.append(_render_block(block, rels))
+    return _union(terms) if terms else None
+
+
+# --------------------------------------------------------------------------- union
+
+
+def _union(parts: list[exp.Query]) -> exp.Query:
+    out = parts[0]
+    for part in parts[1:]:
+        out = exp.Union(this=out, expression=part, distinct=False)
+    return out

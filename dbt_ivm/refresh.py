@@ -1,0 +1,383 @@
+"""One refresh of one model: gather facts, decide a strategy, apply it.
+
+The decision (``decide``) is a pure function of catalog facts and the stored
+watermark; running it (``Refresher``) goes through a tiny ``Executor`` protocol
+so the adapter can hand in its dbt connection and tests a fake.
+
+Strategies, in the order of DESIGN.md §5: CREATE (first build), NOOP,
+INCREMENTAL, PARTITION (reserved, not chosen yet), FULL — each with a stable
+reason code recorded in the dbt log, run_results.json and the state table's
+commit history.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Protocol
+
+from dbt_ivm import apply
+from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
+from dbt_ivm.delta import Window, quote
+from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
+from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, build_plan, referenced_tables, signature
+
+CREATE, NOOP, INCREMENTAL, PARTITION, FULL = "CREATE", "NOOP", "INCREMENTAL", "PARTITION", "FULL"
+POLICIES = ("auto", "incremental", "partition", "full")
+STATE_SUFFIX = "__ivm_state"
+WATERMARK_FORMAT = 1
+
+# View properties that mark a relation as an incremental_mv (read by downstream models).
+PROP_STATE = "dbt_ivm.state_table"
+PROP_KIND = "dbt_ivm.kind"
+
+# FULL reasons that are rebuilds by nature, allowed even under ivm_policy='incremental'.
+_REBUILD_REASONS = ("FULL_REFRESH", "NO_WATERMARK", "VIEW_MISSING", "PLAN_SIGNATURE_MISMATCH")
+
+
+class Executor(Protocol):
+    def query(self, sql: str) -> list[tuple]: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    strategy: str
+    reason: Optional[Reason] = None
+
+
+@dataclass
+class Watermark:
+    """What the state holds: stored as JSON in the commit that wrote it."""
+
+    signature: str
+    kind: str
+    sql: str
+    columns: dict  # visible column -> spark type
+    sources: list  # [{name, kind, physical, multiplicity, columns, version}]
+    strategy: str = ""
+    reason: str = ""
+    state_version: Optional[int] = None  # filled in when read back
+
+    def versions(self) -> dict:
+        return {s["physical"]: s["version"] for s in self.sources if s["version"] is not None}
+
+    def source_objects(self) -> list[Source]:
+        return [
+            Source(
+                name=s["name"], columns=tuple(map(tuple, s["columns"])), kind=s["kind"],
+                version=s["version"], state_table=s["physical"] if s["kind"] == MV else None,
+                multiplicity=s["multiplicity"],
+            )
+            for s in self.sources
+        ]
+
+    def to_json(self) -> str:
+        body = {k: v for k, v in asdict(self).items() if k != "state_version"}
+        return json.dumps({"dbt_ivm": WATERMARK_FORMAT, **body}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: Optional[str]) -> Optional["Watermark"]:
+        try:
+            data = json.loads(text or "")
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or data.get("dbt_ivm") != WATERMARK_FORMAT:
+            return None
+        data.pop("dbt_ivm")
+        return cls(**data)
+
+
+@dataclass
+class Result:
+    strategy: str
+    reason: Optional[Reason]
+    seconds: float = 0.0
+    rows: dict = field(default_factory=dict)  # merge metrics
+    changed_sources: list = field(default_factory=list)
+
+    def message(self) -> str:
+        parts = [self.strategy]
+        if self.reason:
+            parts.append(f"[{self.reason.code}]")
+        if self.changed_sources:
+            parts.append(f"changed: {', '.join(self.changed_sources)}")
+        if self.rows:
+            parts.append(", ".join(f"{k}={v}" for k, v in self.rows.items()))
+        parts.append(f"in {self.seconds:.2f}s")
+        if self.reason and self.reason.detail:
+            parts.append(f"- {self.reason.detail}")
+        return " ".join(parts)
+
+
+def validate_config(config: dict) -> dict:
+    """Normalise and check the model config; raise IvmConfigError naming valid values."""
+    policy = str(config.get("ivm_policy") or "auto").lower()
+    if policy not in POLICIES:
+        raise IvmConfigError(
+            f"Invalid ivm_policy provided: {config.get('ivm_policy')!r}. "
+            f"Expected one of: {', '.join(POLICIES)}."
+        )
+    return {"ivm_policy": policy}
+
+
+def state_name(relation: str) -> str:
+    return relation + STATE_SUFFIX
+
+
+# --------------------------------------------------------------------------- decision
+
+
+def decide(
+    *,
+    policy: str,
+    full_refresh: bool,
+    state_exists: bool,
+    view_exists: bool,
+    watermark: Optional[Watermark],
+    sig: str,
+    sources: list[Source],
+    unsupported: Optional[Reason],
+) -> Decision:
+    """Pick the refresh strategy. Pure: every fact is an argument."""
+    if not state_exists or watermark is None:
+        if state_exists:
+            return Decision(FULL, Reason("NO_WATERMARK", "the state table has no dbt-ivm watermark"))
+        return Decision(CREATE, Reason("FIRST_BUILD", "the state table does not exist yet"))
+    if full_refresh:
+        return Decision(FULL, Reason("FULL_REFRESH", "--full-refresh was requested"))
+    if not view_exists:
+        return Decision(FULL, Reason("VIEW_MISSING", "the model's view is missing"))
+    if watermark.signature != sig:
+        return Decision(FULL, Reason(
+            "PLAN_SIGNATURE_MISMATCH", "the model SQL or a source schema changed since the last build"))
+    old = watermark.versions()
+    changed = [s for s in sources if s.kind == OTHER or old.get(s.physical) != s.version]
+    if not changed:
+        return Decision(NOOP, Reason("NO_CHANGES", "no source changed since the last refresh"))
+    if policy == "full":
+        return Decision(FULL, Reason("POLICY_FULL", "ivm_policy is 'full'"))
+    if unsupported is not None:
+        return Decision(FULL, unsupported)
+    for s in changed:
+        if s.kind == OTHER:
+            return Decision(FULL, Reason(
+                "SOURCE_NOT_DELTA", f"source {s.name} is not a Delta table",
+                "convert it with CONVERT TO DELTA or build it as a Delta table"))
+        if not s.cdf:
+            return Decision(FULL, Reason(
+                "CDF_DISABLED", f"source {s.name} has no change data feed",
+                f"ALTER TABLE {s.physical} SET TBLPROPERTIES (delta.enableChangeDataFeed = true)"))
+        if s.physical not in old or s.version is None or s.version < old[s.physical]:
+            return Decision(FULL, Reason(
+                "SOURCE_VERSION_REWOUND", f"source {s.name} was recreated or restored since the last refresh"))
+    if policy == "partition":
+        return Decision(FULL, Reason("PARTITION_NOT_IMPLEMENTED", "the partition strategy is not implemented yet"))
+    return Decision(INCREMENTAL, None)
+
+
+# --------------------------------------------------------------------------- facts
+
+
+_PROPS_RE = re.compile(r"([^=,\[\]\s][^=,\[\]]*)=([^,\]]*)")
+
+
+def describe_source(ex: Executor, name: str) -> Source:
+    """Columns, format, change-feed flag and current version of one relation."""
+    rows = ex.query(f"DESCRIBE TABLE EXTENDED {quote(name)}")
+    columns: list[tuple[str, str]] = []
+    info: dict[str, str] = {}
+    in_columns = True
+    for row in rows:
+        col, dtype = (row[0] or "").strip(), (row[1] or "").strip()
+        if not col or col.startswith("#"):
+            in_columns = False
+            continue
+        if in_columns:
+            columns.append((col.lower(), dtype))
+        else:
+            info[col.lower()] = dtype
+    props = dict((k.strip(), v.strip()) for k, v in _PROPS_RE.findall(info.get("table properties", "")))
+    if info.get("type", "").upper() == "VIEW":
+        state = props.get(PROP_STATE)
+        if not state:
+            return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
+        version, _ = history_head(ex, state)
+        mult = apply.COUNT if props.get(PROP_KIND) == BAG else None
+        return Source(name=name, columns=tuple(columns), kind=MV, version=version,
+                      cdf=True, state_table=state, multiplicity=mult)
+    if info.get("provider", "").lower() != "delta":
+        return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
+    version, _ = history_head(ex, name)
+    cdf = props.get("delta.enableChangeDataFeed", "false").lower() == "true"
+    return Source(name=name, columns=tuple(columns), kind=DELTA, version=version, cdf=cdf)
+
+
+def history_head(ex: Executor, table: str, depth: int = 1) -> tuple[Optional[int], list[tuple]]:
+    rows = ex.query(f"DESCRIBE HISTORY {quote(table)} LIMIT {depth}")
+    return (int(rows[0][0]) if rows else None), rows
+
+
+def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Watermark]]:
+    """The state table's current version and the newest watermark in its history."""
+    rows = ex.query(f"DESCRIBE HISTORY {quote(state)}")
+    if not rows:
+        return None, None
+    # DESCRIBE HISTORY columns: version, timestamp, userId, userName, operation,
+    # operationParameters, job, notebook, clusterId, readVersion, isolationLevel,
+    # isBlindAppend, operationMetrics, userMetadata, engineInfo
+    current = int(rows[0][0])
+    for row in rows:
+        wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+        if wm is not None:
+            wm.state_version = current
+            return current, wm
+    return current, None
+
+
+def relation_exists(ex: Executor, name: str) -> bool:
+    db, _, table = name.rpartition(".")
+    rows = ex.query(f"SHOW TABLES IN {quote(db)} LIKE '{table}'") if db else []
+    return any((r[1] or "").lower() == table.lower() for r in rows)
+
+
+# --------------------------------------------------------------------------- run
+
+
+class Refresher:
+    """Runs one refresh of one model through an Executor."""
+
+    def __init__(self, ex: Executor, sql: str, relation: str, config: dict, full_refresh: bool):
+        self.ex = ex
+        self.sql = sql
+        self.relation = relation.lower()
+        self.state = state_name(self.relation)
+        self.config = validate_config(config)
+        self.full_refresh = full_refresh
+
+    def run(self) -> Result:
+        start = time.time()
+        sources = [describe_source(self.ex, n) for n in referenced_tables(self.sql)]
+        catalog = Catalog({s.name: s for s in sources})
+        plan, unsupported = self._plan(catalog)
+        sig = signature(self.sql, sources)
+        state_exists = relation_exists(self.ex, self.state)
+        version, watermark = read_watermark(self.ex, self.state) if state_exists else (None, None)
+        decision = decide(
+            policy=self.config["ivm_policy"], full_refresh=self.full_refresh,
+            state_exists=state_exists, view_exists=relation_exists(self.ex, self.relation),
+            watermark=watermark, sig=sig, sources=sources,
+            unsupported=unsupported.reason if unsupported else None,
+        )
+        if (
+            self.config["ivm_policy"] == "incremental"
+            and decision.strategy == FULL
+            and decision.reason.code not in _REBUILD_REASONS
+        ):
+            raise IvmError(
+                f"ivm_policy is 'incremental' but the refresh of {self.relation} cannot be "
+                f"incremental: {decision.reason.message()}"
+            )
+        result = Result(decision.strategy, decision.reason)
+        if decision.strategy in (CREATE, FULL):
+            self._rebuild(plan, sources, sig, decision, state_exists, version)
+        elif decision.strategy == INCREMENTAL:
+            self._incremental(plan, sources, watermark, version, result)
+        result.seconds = time.time() - start
+        return result
+
+    # ----------------------------------------------------------------- steps
+
+    def _plan(self, catalog: Catalog) -> tuple[Optional[Plan], Optional[UnsupportedQuery]]:
+        try:
+            return build_plan(self.sql, catalog), None
+        except UnsupportedQuery as u:
+            return None, u
+
+    def _watermark(self, plan, sources, sig, decision, types) -> Watermark:
+        return Watermark(
+            signature=sig, kind=plan.kind if plan else BAG, sql=self.sql, columns=types,
+            sources=[
+                {"name": s.name, "kind": s.kind, "physical": s.physical, "multiplicity": s.multiplicity,
+                 "columns": [list(c) for c in s.columns], "version": s.version}
+                for s in sources
+            ],
+            strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
+        )
+
+    def _rebuild(self, plan, sources, sig, decision, state_exists, version) -> None:
+        pinned = apply.pinned_query(self.sql, sources, {s.physical: s.version for s in sources})
+        types = {r[0].lower(): r[1] for r in self.ex.query(f"DESCRIBE QUERY {pinned}")}
+        if plan is not None:
+            body = apply.state_query(plan, Window(new={s.physical: s.version for s in sources}), types)
+            kind, columns = plan.kind, plan.columns
+        else:  # unsupported query: keep its rows as a bag, rebuilt each time
+            columns = list(types)
+            body = apply.bag_state_of_query(pinned, columns)
+            kind = BAG
+        wm = self._watermark(plan, sources, sig, decision, types)
+        new_schema = [(r[0].lower(), r[1]) for r in self.ex.query(f"DESCRIBE QUERY {body}")]
+        same = state_exists and self._state_schema() == new_schema
+        if state_exists and not same:
+            self.ex.query(f"DROP TABLE {quote(self.state)}")
+        with self._commit(wm, version if same else None):
+            if same:
+                self.ex.query(f"INSERT OVERWRITE {quote(self.state)} {body}")
+            else:
+                self.ex.query(
+                    f"CREATE TABLE {quote(self.state)} USING delta "
+                    f"TBLPROPERTIES ('delta.enableChangeDataFeed' = 'true') AS {body}"
+                )
+        self.ex.query(
+            f"CREATE OR REPLACE VIEW {quote(self.relation)} "
+            f"TBLPROPERTIES ('{PROP_STATE}' = '{self.state}', '{PROP_KIND}' = '{kind}') "
+            f"AS {apply.view_query(kind, columns, self.state)}"
+        )
+
+    def _state_schema(self) -> list[tuple[str, str]]:
+        out = []
+        for row in self.ex.query(f"DESCRIBE TABLE {quote(self.state)}"):
+            if not row[0] or row[0].startswith("#"):
+                break
+            out.append((row[0].lower(), row[1]))
+        return out
+
+    def _incremental(self, plan: Plan, sources, watermark: Watermark, version, result: Result) -> None:
+        old = watermark.versions()
+        window = Window(old=old, new={s.physical: s.version for s in sources})
+        result.changed_sources = [s.name for s in sources if window.changed(s)]
+        merge = apply.merge_statement(plan, self.state, window, watermark.columns)
+        wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns)
+        if merge is None:
+            return
+        with self._commit(wm, version):
+            rows = self.ex.query(merge)
+        after, _ = history_head(self.ex, self.state)
+        if after == version:
+            result.strategy = NOOP
+            result.reason = Reason("ALREADY_APPLIED", "a concurrent refresh already applied this change")
+        elif rows:
+            names = ("affected", "updated", "deleted", "inserted")
+            result.rows = {n: int(v) for n, v in zip(names, rows[0]) if v is not None}
+
+    def _commit(self, wm: Watermark, version: Optional[int]):
+        """Session confs around the one write: the watermark rides in the commit
+        (userMetadata) and (app, version) makes the write idempotent."""
+        ex = self.ex
+        confs = {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json()}
+        if version is not None:
+            confs["spark.databricks.delta.write.txnAppId"] = f"dbt_ivm:{self.state}"
+            confs["spark.databricks.delta.write.txnVersion"] = str(version)
+
+        class _Ctx:
+            def __enter__(self_):
+                for k, v in confs.items():
+                    ex.query(f"SET {k}={v}")
+
+            def __exit__(self_, *exc):
+                for k in confs:
+                    ex.query(f"RESET {k}")
+                return False
+
+        return _Ctx()

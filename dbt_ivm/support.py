@@ -1,0 +1,160 @@
+"""The support contract: which queries incremental_mv maintains incrementally.
+
+One walker over the qualified query returns typed reasons, one per construct it
+cannot maintain; an empty list means the incremental path is available. The
+README's "Supported queries" section follows this file rule for rule, and every
+reason has a pinned test (tests/fixtures/unsupported.sql).
+"""
+
+from __future__ import annotations
+
+from sqlglot import exp
+
+from dbt_ivm.errors import Reason
+
+_HINT_FULL = "the model is refreshed by full rebuilds"
+
+# Functions whose value changes from one evaluation to the next.
+_NONDETERMINISTIC = (
+    exp.Rand,
+    exp.Randn,
+    exp.Uuid,
+    exp.CurrentDate,
+    exp.CurrentTimestamp,
+    exp.CurrentTime,
+    exp.CurrentUser,
+)
+_NONDETERMINISTIC_NAMES = {
+    "rand", "random", "randn", "uuid", "shuffle", "now", "current_date",
+    "current_timestamp", "localtimestamp", "current_timezone", "unix_timestamp",
+    "monotonically_increasing_id", "spark_partition_id", "input_file_name",
+    "input_file_block_start", "input_file_block_length", "try_reflect", "reflect",
+    "java_method", "current_user", "user", "session_user", "curdate",
+}
+_MAINTAINED_AGGREGATES = (exp.Count, exp.Sum, exp.Avg, exp.Min, exp.Max)
+
+
+def check_support(query: exp.Query) -> list[Reason]:
+    """Reasons why ``query`` (qualified) cannot be maintained incrementally.
+
+    >>> import sqlglot
+    >>> [r.code for r in check_support(sqlglot.parse_one("select a from t order by a", read="spark"))]
+    ['UNSUPPORTED_ORDER_LIMIT']
+    """
+    reasons: list[Reason] = []
+
+    def add(code: str, detail: str, hint: str = _HINT_FULL) -> None:
+        if all(r.code != code for r in reasons):
+            reasons.append(Reason(code, detail, hint))
+
+    ctes = {c.alias_or_name for c in query.find_all(exp.CTE)}
+    for name in ("order", "limit", "offset"):
+        if query.args.get(name):
+            add("UNSUPPORTED_ORDER_LIMIT", "ORDER BY / LIMIT / OFFSET at the top of an incremental_mv",
+                "remove it: a materialized view is an unordered set of rows")
+
+    for node in query.walk():
+        if isinstance(node, (exp.Intersect, exp.Except)):
+            add("UNSUPPORTED_SET_OPERATION", f"{node.key.upper()} is not supported by incremental_mv")
+        elif isinstance(node, exp.Union) and node.args.get("distinct"):
+            add("UNSUPPORTED_SET_OPERATION", "UNION (distinct) is not supported by incremental_mv",
+                "use UNION ALL, or SELECT DISTINCT over a UNION ALL")
+        elif isinstance(node, exp.Join):
+            _check_join(node, add)
+        elif isinstance(node, exp.Window):
+            add("UNSUPPORTED_WINDOW", "window functions (OVER ...) are not supported by incremental_mv")
+        elif isinstance(node, (exp.Lateral, exp.Unnest)) or isinstance(node, exp.Explode):
+            add("UNSUPPORTED_GENERATOR", "LATERAL VIEW / generators (explode ...) are not supported by incremental_mv")
+        elif isinstance(node, exp.Values):
+            add("UNSUPPORTED_RELATION", "VALUES lists as relations are not supported by incremental_mv",
+                "put the rows in a Delta table or a seed")
+        elif isinstance(node, exp.Table) and isinstance(node.this, exp.Func):
+            add("UNSUPPORTED_RELATION", f"table-valued function {node.this.sql('spark')} is not supported by incremental_mv")
+        elif isinstance(node, exp.Table) and node.args.get("version"):
+            add("UNSUPPORTED_RELATION", "time travel (VERSION/TIMESTAMP AS OF) in the model is not supported by incremental_mv")
+        elif isinstance(node, (exp.Exists, exp.Any, exp.All)) or (
+            isinstance(node, exp.In) and node.args.get("query")
+        ):
+            add("UNSUPPORTED_SUBQUERY_PREDICATE",
+                f"subquery predicates ({node.key.upper()} (SELECT ...)) are not supported by incremental_mv",
+                _HINT_FULL + "; rewrite as an inner join over distinct keys to maintain it")
+        elif isinstance(node, exp.Subquery) and not _is_relation(node):
+            add("UNSUPPORTED_SUBQUERY_PREDICATE", "scalar subqueries are not supported by incremental_mv")
+        elif isinstance(node, _NONDETERMINISTIC) or (
+            isinstance(node, exp.Anonymous) and node.name.lower() in _NONDETERMINISTIC_NAMES
+        ):
+            add("NON_DETERMINISTIC",
+                f"non-deterministic function {node.sql('spark')} cannot be maintained incrementally",
+                _HINT_FULL + " so that every row is computed at the same moment")
+        elif isinstance(node, exp.Select):
+            _check_select(node, query, ctes, add)
+    return reasons
+
+
+def _is_relation(subquery: exp.Subquery) -> bool:
+    parent = subquery.parent
+    return isinstance(parent, (exp.From, exp.Join, exp.Union)) or (
+        isinstance(parent, exp.Subquery) and _is_relation(parent)
+    )
+
+
+def _check_join(join: exp.Join, add) -> None:
+    side = (join.side or "").upper()
+    kind = (join.kind or "").upper()
+    if side in ("LEFT", "RIGHT", "FULL"):
+        add("UNSUPPORTED_OUTER_JOIN", f"{side} OUTER JOIN is not supported incrementally yet")
+    elif kind in ("SEMI", "ANTI"):
+        add("UNSUPPORTED_SEMI_JOIN", f"{kind} JOIN is not supported incrementally yet")
+    elif join.args.get("using"):
+        pass  # qualify() rewrites USING into ON; nothing left to check
+    if kind not in ("", "INNER", "CROSS", "SEMI", "ANTI", "OUTER"):
+        add("UNSUPPORTED_JOIN", f"{kind} JOIN is not supported by incremental_mv")
+
+
+def _check_select(select: exp.Select, root: exp.Query, ctes: set, add) -> None:
+    group = select.args.get("group")
+    aggs = [n for e in select.expressions for n in e.find_all(exp.AggFunc)]
+    is_root = select is root
+    if select.args.get("having"):
+        add("UNSUPPORTED_HAVING", "HAVING is not supported incrementally yet")
+    if group and any(group.args.get(k) for k in ("rollup", "cube", "grouping_sets")):
+        add("UNSUPPORTED_GROUPING_SETS", "ROLLUP / CUBE / GROUPING SETS are not supported by incremental_mv")
+    if (group or aggs) and not is_root:
+        add("UNSUPPORTED_NESTED_AGGREGATE",
+            "GROUP BY or aggregates inside a subquery, CTE or UNION arm are not supported incrementally yet",
+            _HINT_FULL + "; aggregate at the top of the model, or split it into two chained incremental_mv models")
+    if select.args.get("distinct") and not is_root:
+        add("UNSUPPORTED_NESTED_DISTINCT",
+            "SELECT DISTINCT inside a subquery, CTE or UNION arm is not supported incrementally yet",
+            _HINT_FULL + "; split it into two chained incremental_mv models")
+    if select.args.get("distinct") and (group or aggs):
+        add("UNSUPPORTED_DISTINCT_AGGREGATE", "SELECT DISTINCT together with GROUP BY/aggregates is not supported incrementally")
+    for agg in aggs:
+        if not isinstance(agg, _MAINTAINED_AGGREGATES):
+            add("UNSUPPORTED_AGGREGATE",
+                f"aggregate {agg.sql('spark')} is not decomposable; only COUNT, SUM, AVG, MIN and MAX are maintained")
+        elif isinstance(agg.this, exp.Distinct) or agg.find(exp.Distinct):
+            add("UNSUPPORTED_AGGREGATE", f"{agg.sql('spark')}: DISTINCT inside an aggregate is not maintained incrementally yet")
+        elif agg.find(exp.AggFunc) is not agg or any(a is not agg for a in agg.find_all(exp.AggFunc)):
+            add("UNSUPPORTED_AGGREGATE", f"nested aggregate {agg.sql('spark')} is not supported")
+        elif agg.args.get("filter") or isinstance(agg.parent, exp.Filter):
+            add("UNSUPPORTED_AGGREGATE", f"aggregate FILTER clauses ({agg.sql('spark')}) are not supported yet")
+    if is_root and (group or aggs):
+        for e in select.expressions:
+            inner = e.unalias()
+            if isinstance(inner, exp.AggFunc):
+                continue
+            if not _covered_by_keys(inner, group.expressions if group else []):
+                add("UNSUPPORTED_EXPRESSION",
+                    f"select expression {inner.sql('spark')} is neither a GROUP BY key nor built from keys and aggregates")
+
+
+def _covered_by_keys(expr: exp.Expression, keys: list[exp.Expression]) -> bool:
+    """True when every column of ``expr`` outside aggregates sits inside a group key."""
+    if any(expr == k for k in keys):
+        return True
+    if isinstance(expr, exp.AggFunc):
+        return True
+    if isinstance(expr, exp.Column):
+        return False
+    return all(_covered_by_keys(c, keys) for c in expr.iter_expressions())

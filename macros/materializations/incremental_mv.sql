@@ -1,0 +1,36 @@
+{#-
+  incremental_mv: a materialized view kept up to date from the sources' Delta
+  change data feed. The model's relation is a view over the Delta state table
+  `<model>__ivm_state`; the Python side (dbt_ivm) decides each refresh's
+  strategy — CREATE, NOOP, INCREMENTAL, FULL — runs it, and reports why.
+-#}
+{% materialization incremental_mv, adapter='spark_ivm' %}
+
+  {#-- Validate config first: nothing runs on a bad config --#}
+  {%- set ivm_config = adapter.ivm_validate_config({
+        'ivm_policy': config.get('ivm_policy', 'auto'),
+      }) -%}
+  {%- set target_relation = this.incorporate(type='view') -%}
+  {%- set existing_relation = load_cached_relation(this) -%}
+  {%- set grant_config = config.get('grants') -%}
+
+  {{ run_hooks(pre_hooks) }}
+
+  {#-- A table left in the model's place by another materialization makes way for the view --#}
+  {%- if existing_relation is not none and not existing_relation.is_view -%}
+    {%- do adapter.drop_relation(existing_relation) -%}
+  {%- endif -%}
+
+  {#-- Plan and apply the refresh; the response carries the strategy and the reason --#}
+  {%- set response = adapter.ivm_refresh(sql, target_relation, ivm_config, should_full_refresh()) -%}
+  {%- do store_result('main', response=response) -%}
+
+  {{ run_hooks(post_hooks) }}
+
+  {%- set should_revoke = should_revoke(existing_relation, full_refresh_mode=True) -%}
+  {%- do apply_grants(target_relation, grant_config, should_revoke=should_revoke) -%}
+  {%- do persist_docs(target_relation, model) -%}
+
+  {{ return({'relations': [target_relation]}) }}
+
+{% endmaterialization %}
