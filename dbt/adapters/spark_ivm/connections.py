@@ -54,16 +54,30 @@ def _project_dir() -> str:
 
 def embedded_spark_conf(creds: SparkIvmCredentials) -> dict[str, str]:
     """Spark settings for the embedded session: defaults, then profile overrides."""
-    home = os.path.join(_project_dir(), ".dbt_ivm")
+    return default_spark_conf(
+        _project_dir(), creds.warehouse_dir, creds.metastore_dir, creds.spark_master,
+        creds.server_side_parameters,
+    )
+
+
+def default_spark_conf(
+    project_dir: str,
+    warehouse_dir: Optional[str] = None,
+    metastore_dir: Optional[str] = None,
+    master: Optional[str] = None,
+    overrides: Optional[dict] = None,
+) -> dict[str, str]:
+    """The embedded defaults for a dbt project directory (see README, "Embedded Spark")."""
+    home = os.path.join(project_dir, ".dbt_ivm")
 
     def absolute(path: Optional[str], default: str) -> str:
         path = path or default
-        return path if os.path.isabs(path) else os.path.join(_project_dir(), path)
+        return path if os.path.isabs(path) else os.path.join(project_dir, path)
 
-    warehouse = absolute(creds.warehouse_dir, os.path.join(home, "warehouse"))
-    metastore = absolute(creds.metastore_dir, os.path.join(home, "metastore_db"))
+    warehouse = absolute(warehouse_dir, os.path.join(home, "warehouse"))
+    metastore = absolute(metastore_dir, os.path.join(home, "metastore_db"))
     conf = {
-        "spark.master": creds.spark_master or "local[*]",
+        "spark.master": master or "local[*]",
         "spark.app.name": "dbt-ivm",
         "spark.jars.packages": DELTA_PACKAGE,
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
@@ -80,7 +94,7 @@ def embedded_spark_conf(creds: SparkIvmCredentials) -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
     }
-    conf.update(creds.server_side_parameters)
+    conf.update(overrides or {})
     return conf
 
 

@@ -1,0 +1,170 @@
+"""Integration-test helpers: one Spark session per pytest process, dbt driven
+in-process (dbtRunner) against generated dbt projects, and an oracle that
+compares a model with a full recompute of its SQL as a bag.
+
+The oracle is deliberately independent of dbt_ivm's own audit SQL: it collects
+both sides into Python and compares sorted rows, floats within 1e-9 relative.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import textwrap
+from collections import Counter
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+WORKSPACE = Path(os.environ.get("DBT_IVM_TEST_WORKSPACE", "/tmp/dbt_ivm_tests"))
+TOLERANCE = 1e-9
+
+_spark = None
+
+
+def spark():
+    """The process-wide Spark session, configured as the adapter's embedded default."""
+    global _spark
+    if _spark is None:
+        from dbt.adapters.spark_ivm.connections import default_spark_conf, spark_session
+
+        WORKSPACE.mkdir(parents=True, exist_ok=True)
+        _spark = spark_session(default_spark_conf(str(WORKSPACE), overrides=_test_overrides()))
+    return _spark
+
+
+def _test_overrides() -> dict:
+    return {"spark.sql.shuffle.partitions": "2", "spark.master": "local[2]"}
+
+
+def sql(statement: str) -> list:
+    return spark().sql(statement).collect()
+
+
+# --------------------------------------------------------------------------- dbt
+
+
+@dataclass
+class RunOutcome:
+    success: bool
+    results: dict = field(default_factory=dict)  # node name -> result
+    exception: Optional[BaseException] = None
+
+    def code(self, name: str) -> Optional[str]:
+        r = self.results.get(name)
+        return (r.adapter_response or {}).get("code") if r is not None else None
+
+    def response(self, name: str) -> dict:
+        r = self.results.get(name)
+        return dict(r.adapter_response or {}) if r is not None else {}
+
+
+class DbtProject:
+    """A dbt project on disk, run in-process against the shared Spark session."""
+
+    def __init__(self, root: Path, name: str = "itest", schema: str = "itest", threads: int = 1,
+                 targets: Optional[dict] = None):
+        self.root = Path(root)
+        self.name = name
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "models").mkdir(exist_ok=True)
+        self.write("dbt_project.yml", f"""
+            name: {name}
+            version: "1.0"
+            config-version: 2
+            profile: {name}
+        """)
+        outputs = targets or {"dev": schema}
+        profile = {
+            name: {
+                "target": next(iter(outputs)),
+                "outputs": {
+                    t: {
+                        "type": "spark_ivm", "method": "session", "host": "NA", "schema": s,
+                        "threads": threads,
+                        "warehouse_dir": str(WORKSPACE / ".dbt_ivm" / "warehouse"),
+                        "metastore_dir": str(WORKSPACE / ".dbt_ivm" / "metastore_db"),
+                        "server_side_parameters": _test_overrides(),
+                    }
+                    for t, s in outputs.items()
+                },
+            }
+        }
+        (self.root / "profiles.yml").write_text(yaml.safe_dump(profile))
+
+    def write(self, rel: str, text: str) -> None:
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+
+    def dbt(self, *args: str) -> RunOutcome:
+        from dbt.cli.main import dbtRunner
+
+        spark()  # the session exists before dbt asks for it
+        res = dbtRunner().invoke(
+            list(args) + ["--project-dir", str(self.root), "--profiles-dir", str(self.root)]
+        )
+        results = {}
+        for r in getattr(res.result, "results", None) or []:
+            results[r.node.name] = r
+        return RunOutcome(success=bool(res.success), results=results, exception=res.exception)
+
+
+# --------------------------------------------------------------------------- oracle
+
+
+def _norm(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        return value.normalize() if value == value else value
+    return value
+
+
+def _sort_key(row: tuple) -> tuple:
+    out = []
+    for v in row:
+        if v is None:
+            out.append((0, ""))
+        elif isinstance(v, float):
+            out.append((1, float(f"{v:.6g}") if math.isfinite(v) else str(v)))
+        elif isinstance(v, (int, Decimal)):
+            out.append((1, float(v)))
+        else:
+            out.append((2, str(v)))
+    return tuple(out)
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        if a is None or b is None:
+            return a is b
+        a, b = float(a), float(b)
+        if math.isnan(a) and math.isnan(b):
+            return True
+        return a == b or abs(a - b) <= TOLERANCE * max(abs(a), abs(b))
+    return _norm(a) == _norm(b)
+
+
+def bag_diff(expected: list[tuple], actual: list[tuple]) -> Optional[str]:
+    """None when the two lists are equal as bags (floats within tolerance),
+    else a short description of the first differences."""
+    exp_c = Counter(tuple(_norm(v) for v in r) for r in expected)
+    act_c = Counter(tuple(_norm(v) for v in r) for r in actual)
+    if exp_c == act_c:
+        return None
+    if len(expected) == len(actual):
+        e_sorted = sorted(expected, key=_sort_key)
+        a_sorted = sorted(actual, key=_sort_key)
+        if all(len(x) == len(y) and all(_close(p, q) for p, q in zip(x, y)) for x, y in zip(e_sorted, a_sorted)):
+            return None
+    missing = list((exp_c - act_c).elements())[:10]
+    extra = list((act_c - exp_c).elements())[:10]
+    return f"{len(expected)} expected vs {len(actual)} actual rows; missing from MV: {missing}; extra in MV: {extra}"
+
+
+def check_model(relation: str, compiled_sql: str) -> Optional[str]:
+    expected = [tuple(r) for r in sql(compiled_sql)]
+    actual = [tuple(r) for r in sql(f"select * from {relation}")]
+    return bag_diff(expected, actual)
