@@ -93,9 +93,10 @@ def _aggregate_input(plan: Plan, rel: str) -> str:
         if a.func in ("sum", "avg", "count"):
             cols.append(f"COALESCE(SUM(CASE WHEN {x} IS NOT NULL THEN {W} ELSE 0 END), 0) AS {a.col('nn')}")
         if a.func in ("min", "max"):
-            cols.append(f"{a.func.upper()}(CASE WHEN {W} > 0 THEN {x} END) AS {a.col('ins')}")
-    if plan.has_minmax:
-        cols.append(f"COALESCE(MAX(CASE WHEN {W} < 0 THEN 1 ELSE 0 END), 0) = 1 AS {RC}")
+            f = a.func.upper()
+            cols.append(f"{f}(CASE WHEN {W} > 0 THEN {x} END) AS {a.col('ins')}")
+            # the most extreme value removed: it matters only if it reaches the current extreme
+            cols.append(f"{f}(CASE WHEN {W} < 0 THEN {x} END) AS {a.col('del')}")
     group = f" GROUP BY {', '.join(keys)}" if keys else ""
     return f"SELECT {', '.join(keys + cols)} FROM ({rel}) AS {PREFIX}d{group}"
 
@@ -176,7 +177,7 @@ def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict) -> Opt
     )
     source = _aggregate_input(plan, consolidated)
     if plan.has_minmax:
-        source = _with_recompute(plan, source, window)
+        source = _with_recompute(plan, source, state, window)
     new_t, new_s = _new_state(plan, "t", types), _new_state(plan, None, types)
     sets = ", ".join(f"{quote(k)} = {v}" for k, v in new_t.items() if k not in keys)
     insert_cols = ", ".join(quote(k) for k in new_s)
@@ -190,25 +191,36 @@ def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict) -> Opt
     )
 
 
-def _with_recompute(plan: Plan, source: str, window: Window) -> str:
-    """MIN/MAX cannot be un-applied: groups that lost rows are recomputed from the
-    new snapshot, reading only those groups (semi-join on the affected keys)."""
+def _with_recompute(plan: Plan, source: str, state: str, window: Window) -> str:
+    """MIN/MAX cannot be un-applied. A group needs recomputing only when a removed
+    value reaches its current extreme (a removed 7 cannot change a MIN of 3); those
+    groups are recomputed from the new snapshot, semi-joined on their keys, so a
+    window that removes no extreme reads no snapshot at all (the empty semi-join
+    side short-circuits the scan)."""
     keys = plan.key_columns
     minmax = [a for a in plan.aggregates if a.func in ("min", "max")]
     rel = _sql(snapshot(plan.input, window, NEW))
+    reaches = " OR ".join(
+        f"a.{a.col('del')} {'<=' if a.func == 'min' else '>='} t.{a.col('v')}" for a in minmax
+    )
+    key_cols = ", ".join(f"a.{k}" for k in keys)
+    need = (
+        f"SELECT {key_cols + ', ' if keys else ''}TRUE AS {PREFIX}need FROM {PREFIX}agg AS a "
+        f"JOIN {quote(state)} AS t ON {_nullsafe_on(keys, 'a', 't')} WHERE {reaches}"
+    )
     aggs = ", ".join(f"{a.func.upper()}(r.{quote(a.arg)}) AS {a.col('rcv')}" for a in minmax)
     key_list = ", ".join(f"r.{k}" for k in keys)
-    affected = f"SELECT {', '.join(keys) or '1 AS one'} FROM {PREFIX}agg WHERE {RC}"
     recompute = (
         f"SELECT {key_list + ', ' if keys else ''}{aggs} FROM ({rel}) AS r "
-        f"LEFT SEMI JOIN ({affected}) AS f ON {_nullsafe_on(keys, 'r', 'f')}"
+        f"LEFT SEMI JOIN {PREFIX}needed AS f ON {_nullsafe_on(keys, 'r', 'f')}"
         + (f" GROUP BY {key_list}" if keys else "")
     )
     rcv = ", ".join(f"rc.{a.col('rcv')}" for a in minmax)
     return (
-        f"WITH {PREFIX}agg AS ({source}), {PREFIX}rc AS ({recompute}) "
-        f"SELECT a.*, {rcv} FROM {PREFIX}agg AS a LEFT JOIN {PREFIX}rc AS rc "
-        f"ON {_nullsafe_on(keys, 'a', 'rc')}"
+        f"WITH {PREFIX}agg AS ({source}), {PREFIX}needed AS ({need}), {PREFIX}rc AS ({recompute}) "
+        f"SELECT a.*, n.{PREFIX}need IS NOT NULL AS {RC}, {rcv} FROM {PREFIX}agg AS a "
+        f"LEFT JOIN {PREFIX}needed AS n ON {_nullsafe_on(keys, 'a', 'n')} "
+        f"LEFT JOIN {PREFIX}rc AS rc ON {_nullsafe_on(keys, 'a', 'rc')}"
     )
 
 

@@ -138,10 +138,10 @@ def parse(sql: str) -> exp.Expression:
 
 
 def referenced_tables(sql: str) -> list[str]:
-    """The ``db.table`` names a query reads, CTE names excluded, in first-seen order.
+    """The ``db.table`` names a query reads, CTE names excluded, without repeats.
 
-    >>> referenced_tables("with c as (select * from s.b) select * from s.a join c using (i)")
-    ['s.b', 's.a']
+    >>> referenced_tables("with c as (select * from s.b) select * from s.a join c using (i) join s.a x using (i)")
+    ['s.a', 's.b']
     """
     tree = parse(sql)
     ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}

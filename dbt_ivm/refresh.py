@@ -13,7 +13,9 @@ commit history.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Protocol
@@ -221,18 +223,23 @@ def history_head(ex: Executor, table: str, depth: int = 1) -> tuple[Optional[int
 
 def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Watermark]]:
     """The state table's current version and the newest watermark in its history."""
-    rows = ex.query(f"DESCRIBE HISTORY {quote(state)}")
-    if not rows:
-        return None, None
-    # DESCRIBE HISTORY columns: version, timestamp, userId, userName, operation,
-    # operationParameters, job, notebook, clusterId, readVersion, isolationLevel,
-    # isBlindAppend, operationMetrics, userMetadata, engineInfo
-    current = int(rows[0][0])
-    for row in rows:
-        wm = Watermark.from_json(row[13] if len(row) > 13 else None)
-        if wm is not None:
-            wm.state_version = current
-            return current, wm
+    # The newest commits first; the whole history only if someone else (OPTIMIZE,
+    # a manual fix) committed many times since our last refresh.
+    for limit in (" LIMIT 20", ""):
+        rows = ex.query(f"DESCRIBE HISTORY {quote(state)}{limit}")
+        if not rows:
+            return None, None
+        # DESCRIBE HISTORY columns: version, timestamp, userId, userName, operation,
+        # operationParameters, job, notebook, clusterId, readVersion, isolationLevel,
+        # isBlindAppend, operationMetrics, userMetadata, engineInfo
+        current = int(rows[0][0])
+        for row in rows:
+            wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+            if wm is not None:
+                wm.state_version = current
+                return current, wm
+        if limit and len(rows) < 20:
+            break
     return current, None
 
 
@@ -243,6 +250,13 @@ def relation_exists(ex: Executor, name: str) -> bool:
 
 
 # --------------------------------------------------------------------------- run
+
+
+def _failpoint(name: str) -> None:
+    """Crash-test hook: ``DBT_IVM_FAILPOINT=<name>`` kills the process here
+    (SIGKILL, no cleanup), as a power cut would. Used by the exactly-once tests."""
+    if os.environ.get("DBT_IVM_FAILPOINT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Refresher:
@@ -352,7 +366,9 @@ class Refresher:
         if merge is None:
             return
         with self._commit(wm, version):
+            _failpoint("before_commit")
             rows = self.ex.query(merge)
+            _failpoint("after_commit")
         after, _ = history_head(self.ex, self.state)
         if after == version:
             result.strategy = NOOP

@@ -101,12 +101,10 @@ def _is_relation(subquery: exp.Subquery) -> bool:
 def _check_join(join: exp.Join, add) -> None:
     side = (join.side or "").upper()
     kind = (join.kind or "").upper()
-    if side in ("LEFT", "RIGHT", "FULL"):
+    if kind in ("SEMI", "ANTI"):
+        add("UNSUPPORTED_SEMI_JOIN", f"{side} {kind} JOIN is not supported incrementally yet".strip())
+    elif side in ("LEFT", "RIGHT", "FULL"):
         add("UNSUPPORTED_OUTER_JOIN", f"{side} OUTER JOIN is not supported incrementally yet")
-    elif kind in ("SEMI", "ANTI"):
-        add("UNSUPPORTED_SEMI_JOIN", f"{kind} JOIN is not supported incrementally yet")
-    elif join.args.get("using"):
-        pass  # qualify() rewrites USING into ON; nothing left to check
     if kind not in ("", "INNER", "CROSS", "SEMI", "ANTI", "OUTER"):
         add("UNSUPPORTED_JOIN", f"{kind} JOIN is not supported by incremental_mv")
 
@@ -117,7 +115,10 @@ def _check_select(select: exp.Select, root: exp.Query, ctes: set, add) -> None:
     is_root = select is root
     if select.args.get("having"):
         add("UNSUPPORTED_HAVING", "HAVING is not supported incrementally yet")
-    if group and any(group.args.get(k) for k in ("rollup", "cube", "grouping_sets")):
+    if group and (
+        any(group.args.get(k) for k in ("rollup", "cube", "grouping_sets"))
+        or any(isinstance(k, (exp.Rollup, exp.Cube, exp.GroupingSets)) for k in group.expressions)
+    ):
         add("UNSUPPORTED_GROUPING_SETS", "ROLLUP / CUBE / GROUPING SETS are not supported by incremental_mv")
     if (group or aggs) and not is_root:
         add("UNSUPPORTED_NESTED_AGGREGATE",

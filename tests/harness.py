@@ -165,6 +165,23 @@ def bag_diff(expected: list[tuple], actual: list[tuple]) -> Optional[str]:
 
 
 def check_model(relation: str, compiled_sql: str) -> Optional[str]:
-    expected = [tuple(r) for r in sql(compiled_sql)]
-    actual = [tuple(r) for r in sql(f"select * from {relation}")]
+    """Compare a model with a full recompute of its SQL (one Spark job)."""
+    try:
+        rows = sql(
+            f"select 'e' as __side, * from ({compiled_sql}) "
+            f"union all select 'a' as __side, * from {relation}"
+        )
+    except Exception as e:  # a missing relation or a column mismatch is a failed check
+        return f"comparison query failed: {str(e)[:500]}"
+    expected = [tuple(r)[1:] for r in rows if r[0] == "e"]
+    actual = [tuple(r)[1:] for r in rows if r[0] == "a"]
     return bag_diff(expected, actual)
+
+
+def parallel(fn, items, workers: int = 4) -> list:
+    """Run fn over items on a few threads: Spark jobs on tiny data are latency-bound,
+    so overlapping them is most of the speed-up a 2-core machine can get."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.harness import DbtProject, check_model, sql
+from tests.harness import DbtProject, check_model, parallel, spark, sql
 
 pytestmark = pytest.mark.spark
 
@@ -88,7 +88,7 @@ class Suite:
             {"version": 2, "sources": sources, "models": models}, sort_keys=False))
 
     def _create_tables(self, variant: str) -> None:
-        for case in self.cases:
+        def create(case: dict) -> None:
             schema = self._schema(case, variant)
             sql(f"drop schema if exists {schema} cascade")
             sql(f"create schema {schema}")
@@ -97,24 +97,24 @@ class Suite:
                     "tblproperties (delta.enableChangeDataFeed = true)")
                 if t.get("rows"):
                     sql(f"insert into {schema}.{t['name']} values {t['rows']}")
+
+        parallel(create, self.cases)
         sql(f"drop schema if exists scn_out_{variant} cascade")
 
     def _apply(self, case: dict, variant: str, statements: list[str]) -> None:
-        from tests.harness import spark
-
-        session = spark()
+        """Run a step's statements (bare table names) in the case's schema, in a
+        session of their own so cases can run side by side."""
+        session = spark().newSession()
         session.sql(f"use {self._schema(case, variant)}")
-        try:
-            for statement in statements:
-                session.sql(statement)
-        finally:
-            session.sql("use default")
+        for statement in statements:
+            session.sql(statement)
 
     # ------------------------------------------------------------------ run
 
     def _refresh(self, cases: list[dict], variant: str, label: str, step_changes: dict) -> None:
         names = [m["name"] for c in cases for m in c["models"]]
         out = self.project.dbt("run", "--target", variant, "--select", *names)
+        checks = []
         for case in cases:
             cid = case["id"]
             for m in case["models"]:
@@ -125,11 +125,13 @@ class Suite:
                     continue
                 code = out.code(m["name"])
                 self.strategies[cid].append(f"{variant}/{label}:{m['name']}={code}")
-                diff = check_model(f"scn_out_{variant}.{m['name']}", r.node.compiled_code)
-                if diff:
-                    self.failures[cid].append(f"{variant}/{label}: {m['name']} != recompute: {diff}")
                 self._check_strategy(case, variant, label, m["name"], code, out.response(m["name"]),
                                      step_changes.get(cid))
+                checks.append((cid, m["name"], r.node.compiled_code))
+        diffs = parallel(lambda c: check_model(f"scn_out_{variant}.{c[1]}", c[2]), checks)
+        for (cid, name, _), diff in zip(checks, diffs):
+            if diff:
+                self.failures[cid].append(f"{variant}/{label}: {name} != recompute: {diff}")
 
     def _check_strategy(self, case, variant, label, model, code, response, had_statements) -> None:
         cid = case["id"]
@@ -153,8 +155,7 @@ class Suite:
         depth = max(len(c["steps"]) for c in self.cases)
         for k in range(depth):
             active = [c for c in self.cases if len(c["steps"]) > k]
-            for case in active:
-                self._apply(case, "s", case["steps"][k])
+            parallel(lambda c: self._apply(c, "s", c["steps"][k]), active)
             self._refresh(active, "s", f"step{k + 1}",
                           {c["id"]: bool(c["steps"][k]) for c in active})
 
@@ -164,8 +165,7 @@ class Suite:
             return
         self._create_tables("b")
         self._refresh(cases, "b", "build", {})
-        for case in cases:
-            self._apply(case, "b", [s for step in case["steps"] for s in step])
+        parallel(lambda c: self._apply(c, "b", [s for step in c["steps"] for s in step]), cases)
         self._refresh(cases, "b", "batched",
                       {c["id"]: any(c["steps"]) for c in cases})
 

@@ -1,0 +1,376 @@
+"""Benchmark: incremental refresh vs full rebuild of incremental_mv models.
+
+Generates a Delta fact table ``bench.orders`` (``--rows``, default 10M) and a
+dimension ``bench.customer`` (rows/100) with change data feed on, builds two
+incremental_mv models in a dbt project generated under the workspace, then per
+repeat: changes ``--change`` of the fact rows (70% inserts, 20% deletes, 10%
+updates), times ``dbt run`` (expects INCREMENTAL), times ``dbt run
+--full-refresh`` at the same source state (FULL) and a ``dbt run`` with no
+change (NOOP). Prints medians and the ratio incremental/full per model, and
+writes the same table to bench/results/latest.md.
+
+dbt runs in-process (dbtRunner), so one Spark session serves every run.
+
+    ./run bench                                   # 10M rows, 0.1% change, 2 repeats
+    python bench/bench.py --rows 200000 --repeats 1
+
+Environment: DBT_IVM_BENCH_WORKSPACE (default /tmp/dbt_ivm_bench) holds the
+warehouse, the Derby metastore, the generated dbt project and dbt's logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import shutil
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SOURCE_SCHEMA = "bench"
+MV_SCHEMA = "bench_mv"
+
+MODELS = {
+    # (a) single-table aggregate
+    "orders_by_customer": """
+        select o_custkey, sum(o_totalprice) as revenue, count(*) as n,
+               min(o_totalprice) as mn, max(o_totalprice) as mx
+        from {{ source('bench', 'orders') }}
+        group by o_custkey
+    """,
+    # (b) join + aggregate
+    "revenue_by_region_name": """
+        select c.c_region, c.c_name, sum(o.o_totalprice) as revenue, count(*) as n
+        from {{ source('bench', 'orders') }} o
+        join {{ source('bench', 'customer') }} c on o.o_custkey = c.c_custkey
+        group by c.c_region, c.c_name
+    """,
+}
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=10_000_000, help="fact rows in bench.orders (default 10,000,000)")
+    p.add_argument("--change", type=float, default=0.001,
+                   help="fraction of fact rows changed per repeat (default 0.001 = 0.1%%)")
+    p.add_argument("--repeats", type=int, default=2, help="change + incremental + full rounds (default 2)")
+    p.add_argument("--driver-memory", default="8g", help="spark.driver.memory (default 8g)")
+    p.add_argument("--master", default="local[*]", help="spark.master (default local[*])")
+    p.add_argument("--shuffle-partitions", default="8", help="spark.sql.shuffle.partitions (default 8)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip comparing each incremental result with a recompute of the model SQL")
+    p.add_argument("--timings", action="store_true",
+                   help="print the time of every SQL statement of each refresh (sets DBT_IVM_TIMINGS=1)")
+    p.add_argument("--output", type=Path, default=RESULTS / "latest.md", help="markdown results file")
+    args = p.parse_args()
+    if args.rows < 1000:
+        p.error("--rows must be at least 1000")
+    if not 0 < args.change < 0.5:
+        p.error("--change must be in (0, 0.5)")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.workspace = Path(os.environ.get("DBT_IVM_BENCH_WORKSPACE", "/tmp/dbt_ivm_bench")).resolve()
+        self.project = self.workspace / "project"
+        self.warehouse = self.workspace / "warehouse"
+        self.metastore = self.workspace / "metastore_db"
+        self.n_rows = args.rows
+        self.n_customers = max(args.rows // 100, 10)
+        self.next_key = args.rows + 1  # next o_orderkey for inserts
+        self.spark = None
+
+    # -- workspace, Spark, dbt project
+
+    def server_side_parameters(self) -> dict:
+        return {
+            "spark.driver.memory": self.args.driver_memory,
+            "spark.master": self.args.master,
+            "spark.sql.shuffle.partitions": str(self.args.shuffle_partitions),
+            "spark.app.name": "dbt-ivm-bench",
+        }
+
+    def prepare_workspace(self) -> None:
+        # Only the folders this script owns: a fresh metastore and warehouse every run.
+        for d in (self.project, self.warehouse, self.metastore):
+            if d.exists():
+                shutil.rmtree(d)
+        self.workspace.mkdir(parents=True, exist_ok=True)
+
+    def start_spark(self):
+        """Start the one Spark session before dbt does, with exactly the profile's
+        settings (spark.driver.memory is static: it must be set before the JVM starts)."""
+        from dbt.adapters.spark_ivm.connections import default_spark_conf, spark_session
+
+        conf = default_spark_conf(
+            str(self.project), str(self.warehouse), str(self.metastore), None, self.server_side_parameters()
+        )
+        self.spark = spark_session(conf)
+        return self.spark
+
+    def write_project(self) -> None:
+        files = {
+            "dbt_project.yml": {
+                "name": "dbt_ivm_bench", "version": "1.0", "config-version": 2, "profile": "dbt_ivm_bench",
+                "model-paths": ["models"], "target-path": "target", "log-path": "logs",
+                "models": {"dbt_ivm_bench": {"+materialized": "incremental_mv"}},
+            },
+            "profiles.yml": {
+                "dbt_ivm_bench": {"target": "bench", "outputs": {"bench": {
+                    "type": "spark_ivm", "method": "session", "host": "NA", "schema": MV_SCHEMA, "threads": 1,
+                    "warehouse_dir": str(self.warehouse), "metastore_dir": str(self.metastore),
+                    "server_side_parameters": self.server_side_parameters(),
+                }}}
+            },
+            "models/sources.yml": {
+                "version": 2,
+                "sources": [{"name": "bench", "schema": SOURCE_SCHEMA, "tables": [{"name": "orders"}, {"name": "customer"}]}],
+            },
+        }
+        for rel, body in files.items():
+            path = self.project / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(yaml.safe_dump(body, sort_keys=False))
+        for name, body in MODELS.items():
+            (self.project / "models" / f"{name}.sql").write_text(textwrap.dedent(body).strip() + "\n")
+
+    def dbt(self, *args: str, select: str) -> tuple[dict, float]:
+        """One in-process dbt invocation for one model: (adapter_response, wall seconds)."""
+        from dbt.cli.main import dbtRunner
+
+        cli = list(args) + ["--select", select, "--project-dir", str(self.project),
+                            "--profiles-dir", str(self.project), "--quiet"]
+        start = time.perf_counter()
+        res = dbtRunner().invoke(cli)
+        wall = time.perf_counter() - start
+        results = list(getattr(res.result, "results", None) or [])
+        if not res.success or len(results) != 1:
+            msg = res.exception or "; ".join(str(getattr(r, "message", "")) for r in results)
+            sys.exit(f"\n`dbt {' '.join(args)} --select {select}` failed: {msg}")
+        return dict(results[0].adapter_response or {}), wall
+
+    # -- sources
+
+    def sql(self, statement: str):
+        return self.spark.sql(statement).collect()
+
+    def create_sources(self) -> None:
+        n, c = self.n_rows, self.n_customers
+        self.sql(f"create schema if not exists {SOURCE_SCHEMA}")
+        self.sql(f"""
+            create or replace table {SOURCE_SCHEMA}.customer (c_custkey bigint, c_name string, c_region string)
+            using delta tblproperties (delta.enableChangeDataFeed = true)""")
+        self.sql(f"""
+            insert into {SOURCE_SCHEMA}.customer
+            select id, concat('Customer#', lpad(cast(id as string), 9, '0')),
+                   element_at(array('AFRICA', 'AMERICA', 'ASIA', 'EUROPE', 'MIDDLE EAST'), cast(id % 5 + 1 as int))
+            from range(1, {c + 1})""")
+        self.sql(f"""
+            create or replace table {SOURCE_SCHEMA}.orders
+              (o_orderkey bigint, o_custkey bigint, o_totalprice decimal(12,2), o_status string)
+            using delta tblproperties (delta.enableChangeDataFeed = true)""")
+        self.sql(f"insert into {SOURCE_SCHEMA}.orders {self._orders_select(1, n + 1)}")
+
+    def _orders_select(self, start: int, end: int) -> str:
+        c = self.n_customers
+        return f"""
+            select id as o_orderkey,
+                   cast((id * 7919) % {c} + 1 as bigint) as o_custkey,
+                   cast(((id * 104729) % 5000000) / 100.0 + 1 as decimal(12, 2)) as o_totalprice,
+                   element_at(array('O', 'F', 'P'), cast(id % 3 + 1 as int)) as o_status
+            from range({start}, {end})"""
+
+    def version(self, table: str) -> int:
+        return self.sql(f"describe history {table} limit 1")[0]["version"]
+
+    def apply_change(self, rep: int) -> dict:
+        """Change ~--change of the fact rows in three DML statements: 70% inserts,
+        20% deletes, 10% updates (price always; customer for every 4th updated row).
+        Deletes and updates are spread over the whole key range (every data file)."""
+        total = max(int(round(self.n_rows * self.args.change)), 10)
+        n_ins = int(round(total * 0.7))
+        n_del = int(round(total * 0.2))
+        n_upd = max(total - n_ins - n_del, 1)
+        table = f"{SOURCE_SCHEMA}.orders"
+        before = self.version(table)
+
+        self.sql(f"insert into {table} {self._orders_select(self.next_key, self.next_key + n_ins)}")
+        self.next_key += n_ins
+        # The residues move with the repeat, so each round touches other original rows.
+        d_stride = max(self.n_rows // n_del, 2)
+        self.sql(f"delete from {table} where o_orderkey <= {self.n_rows} "
+                 f"and o_orderkey % {d_stride} = {(2 * rep + 1) % d_stride}")
+        u_stride = max(self.n_rows // n_upd, 2)
+        self.sql(f"""
+            update {table}
+            set o_totalprice = cast(o_totalprice + 1.25 as decimal(12, 2)),
+                o_custkey = case when o_orderkey % 4 = 0 then o_custkey % {self.n_customers} + 1 else o_custkey end
+            where o_orderkey <= {self.n_rows} and o_orderkey % {u_stride} = {(2 * rep + 2) % u_stride}""")
+        after = self.version(table)
+        counts = {r[0]: r[1] for r in self.sql(
+            f"select _change_type, count(*) from table_changes('{table}', {before + 1}, {after}) group by 1")}
+        return {
+            "inserted": counts.get("insert", 0),
+            "deleted": counts.get("delete", 0),
+            "updated": counts.get("update_postimage", 0),
+            "total": counts.get("insert", 0) + counts.get("delete", 0) + counts.get("update_postimage", 0),
+        }
+
+    def check(self, model: str) -> str | None:
+        """None when the model equals a recompute of its SQL (EXCEPT ALL both ways)."""
+        body = MODELS[model].replace("{{ source('bench', 'orders') }}", f"{SOURCE_SCHEMA}.orders") \
+                            .replace("{{ source('bench', 'customer') }}", f"{SOURCE_SCHEMA}.customer")
+        rel = f"{MV_SCHEMA}.{model}"
+        missing = self.sql(f"select count(*) from (({body}) except all (select * from {rel}))")[0][0]
+        extra = self.sql(f"select count(*) from ((select * from {rel}) except all ({body}))")[0][0]
+        return None if missing == extra == 0 else f"{missing} rows missing from the MV, {extra} extra"
+
+
+# --------------------------------------------------------------------------- run
+
+
+def loud(msg: str) -> None:
+    bar = "!" * 78
+    print(f"\n{bar}\n!! {msg}\n{bar}\n", flush=True)
+
+
+def fmt_resp(resp: dict, wall: float) -> str:
+    reason = f" [{resp.get('reason')}]" if resp.get("reason") else ""
+    return f"{resp.get('code')}{reason} {resp.get('seconds') or 0:.2f}s (wall {wall:.2f}s) rows={resp.get('rows')}"
+
+
+def main() -> None:
+    args = parse_args()
+    if args.timings:
+        os.environ["DBT_IVM_TIMINGS"] = "1"
+    b = Bench(args)
+    t0 = time.perf_counter()
+    b.prepare_workspace()
+    b.write_project()
+    print(f"workspace {b.workspace}; dbt project {b.project}", flush=True)
+
+    spark = b.start_spark()
+    heap = spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory() / 2**30
+    print(f"Spark {spark.version}, master {spark.sparkContext.master}, driver heap {heap:.1f} GiB", flush=True)
+
+    t = time.perf_counter()
+    b.create_sources()
+    gen_s = time.perf_counter() - t
+    print(f"generated {SOURCE_SCHEMA}.orders ({b.n_rows:,} rows) and {SOURCE_SCHEMA}.customer "
+          f"({b.n_customers:,} rows) in {gen_s:.1f}s", flush=True)
+
+    timings = {m: {"incremental": [], "incremental_wall": [], "full": [], "full_wall": [],
+                   "noop": [], "noop_wall": [], "create": None, "change": []} for m in MODELS}
+    problems: list[str] = []
+
+    def expect(model: str, phase: str, resp: dict, wall: float, code: str) -> None:
+        print(f"  {phase:12} {model:24} {fmt_resp(resp, wall)}", flush=True)
+        if resp.get("code") != code:
+            msg = (f"{model}: {phase} expected {code}, got {resp.get('code')} "
+                   f"[{resp.get('reason')}] {resp.get('reason_detail') or ''}")
+            problems.append(msg)
+            loud(msg)
+
+    print("\nbuild", flush=True)
+    for m in MODELS:
+        resp, wall = b.dbt("run", select=m)
+        expect(m, "create", resp, wall, "CREATE")
+        timings[m]["create"] = (resp.get("seconds") or 0, wall)
+
+    for rep in range(args.repeats):
+        t = time.perf_counter()
+        change = b.apply_change(rep)
+        print(f"\nrepeat {rep + 1}/{args.repeats}: changed bench.orders in {time.perf_counter() - t:.1f}s: "
+              f"{change['inserted']} inserted, {change['deleted']} deleted, {change['updated']} updated "
+              f"({change['total']} rows, {change['total'] / b.n_rows:.3%})", flush=True)
+        for m in MODELS:
+            timings[m]["change"].append(change["total"])
+            resp, wall = b.dbt("run", select=m)
+            expect(m, "incremental", resp, wall, "INCREMENTAL")
+            timings[m]["incremental"].append(resp.get("seconds") or 0)
+            timings[m]["incremental_wall"].append(wall)
+            if not args.no_check:
+                diff = b.check(m)
+                if diff:
+                    problems.append(f"{m}: after the incremental refresh of repeat {rep + 1}: {diff}")
+                    loud(problems[-1])
+        for m in MODELS:
+            resp, wall = b.dbt("run", "--full-refresh", select=m)
+            expect(m, "full", resp, wall, "FULL")
+            timings[m]["full"].append(resp.get("seconds") or 0)
+            timings[m]["full_wall"].append(wall)
+        for m in MODELS:
+            resp, wall = b.dbt("run", select=m)
+            expect(m, "noop", resp, wall, "NOOP")
+            timings[m]["noop"].append(resp.get("seconds") or 0)
+            timings[m]["noop_wall"].append(wall)
+
+    total_s = time.perf_counter() - t0
+    report = render(b, args, timings, problems, gen_s, total_s)
+    print("\n" + report, flush=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(report)
+    print(f"written to {args.output}")
+    if problems:
+        loud(f"{len(problems)} problem(s): see above and in {args.output}")
+        sys.exit(1)
+
+
+def render(b: Bench, args, timings: dict, problems: list, gen_s: float, total_s: float) -> str:
+    med = statistics.median
+    header = ["model", "change rows", "incremental s", "full s", "ratio incr/full",
+              "noop s", "incremental wall s", "full wall s", "noop wall s", "create s"]
+    rows = []
+    for m, t in timings.items():
+        inc, full = med(t["incremental"]), med(t["full"])
+        rows.append([
+            m, f"{int(med(t['change'])):,}", f"{inc:.2f}", f"{full:.2f}",
+            f"{inc / full:.3f}" if full else "n/a", f"{med(t['noop']):.2f}",
+            f"{med(t['incremental_wall']):.2f}", f"{med(t['full_wall']):.2f}", f"{med(t['noop_wall']):.2f}",
+            f"{t['create'][0]:.2f}",
+        ])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    table = "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    spark = b.spark
+    lines = [
+        "# dbt-ivm benchmark: incremental refresh vs full rebuild",
+        "",
+        f"- date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- command: `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`",
+        f"- bench.orders: {b.n_rows:,} rows; bench.customer: {b.n_customers:,} rows (generated in {gen_s:.1f}s)",
+        f"- change per repeat: {args.change:.3%} of the fact rows (70% inserts, 20% deletes, 10% updates); "
+        f"repeats: {args.repeats} (medians shown)",
+        f"- Spark {spark.version}, master {spark.sparkContext.master}, driver memory {args.driver_memory}, "
+        f"shuffle partitions {args.shuffle_partitions}; {os.cpu_count()} CPUs, {platform.machine()}",
+        f"- total wall time: {total_s:.1f}s",
+        "",
+        "`incremental s`, `full s`, `noop s` are `adapter_response.seconds` (the refresh itself); "
+        "`wall s` is the whole in-process `dbt run --select <model>` (parse, compile, refresh). "
+        "Full = `dbt run --full-refresh` at the same source state as the incremental run.",
+        "",
+        table,
+        "",
+    ]
+    if problems:
+        lines += ["## Problems", "", *[f"- {p}" for p in problems], ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+select distinct o_status from {{ source('shop', 'orders') }}

@@ -1,0 +1,2 @@
+# Scripts run as subprocesses, not test modules.
+collect_ignore = ["_crash_driver.py"]

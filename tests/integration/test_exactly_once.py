@@ -1,0 +1,164 @@
+"""Exactly-once: a refresh killed at any point and rerun gives the exact result
+(no change lost, none applied twice), and two refreshes started together never
+both apply the same change.
+
+Crash tests run dbt in a subprocess (its own JVM and Derby metastore, in a
+project directory of its own) so that it can be SIGKILLed; the embedded
+metastore must come back after the kill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import DbtProject, check_model, spark, sql
+
+pytestmark = pytest.mark.spark
+
+DRIVER = Path(__file__).with_name("_crash_driver.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _project(root: Path, schema: str = "out") -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "models").mkdir(exist_ok=True)
+    (root / "dbt_project.yml").write_text(
+        "name: crash\nversion: '1.0'\nconfig-version: 2\nprofile: crash\n"
+        "models:\n  crash:\n    +materialized: incremental_mv\n"
+    )
+    (root / "profiles.yml").write_text(
+        "crash:\n  target: dev\n  outputs:\n"
+        f"    dev: {{type: spark_ivm, method: session, host: NA, schema: {schema}}}\n"
+    )
+    (root / "models" / "sources.yml").write_text(
+        "version: 2\nsources:\n  - name: src\n    schema: src\n    tables: [{name: t}]\n"
+        "models:\n  - name: agg\n    data_tests: [ivm_consistent]\n  - name: bag\n    data_tests: [ivm_consistent]\n"
+    )
+    (root / "models" / "agg.sql").write_text(
+        "select k, sum(v) as s, count(*) as n, min(v) as mn, max(v) as mx from {{ source('src', 't') }} group by k"
+    )
+    (root / "models" / "bag.sql").write_text("select k, v % 3 as r from {{ source('src', 't') }} where v > 2")
+
+
+def _drive(project: Path, *args: str, failpoint: str = "", kill_after: float = 0.0) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if failpoint:
+        env["DBT_IVM_FAILPOINT"] = failpoint
+    proc = subprocess.Popen(
+        [sys.executable, str(DRIVER), str(project), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(project),
+    )
+    if kill_after:
+        time.sleep(kill_after)
+        proc.kill()
+    out, _ = proc.communicate(timeout=600)
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"killed": proc.returncode in (-9, 137), "returncode": proc.returncode, "tail": out[-2000:]}
+
+
+@pytest.mark.parametrize("failpoint", ["before_commit", "after_commit", "timed"])
+def test_killed_refresh_reruns_exactly(tmp_path, failpoint):
+    project = tmp_path / "crash"
+    _project(project)
+    setup = _drive(project, "setup")
+    assert setup.get("ok") and setup["codes"] == {"agg": "CREATE", "bag": "CREATE"}, setup
+
+    _drive(project, "change", "5")
+    if failpoint == "timed":
+        crashed = _drive(project, "run", kill_after=25.0)  # mid-run: JVM up, refresh in flight
+    else:
+        crashed = _drive(project, "run", failpoint=failpoint)
+        assert crashed.get("killed"), crashed  # the failpoint really fired
+
+    rerun = _drive(project, "run")
+    assert rerun.get("ok"), rerun
+    if failpoint == "after_commit":
+        # the first model's change was committed before the kill: nothing left to apply
+        assert rerun["codes"]["agg"] == "NOOP", rerun
+    elif failpoint == "before_commit":
+        assert rerun["codes"]["agg"] == "INCREMENTAL", rerun
+
+    # a second change window after the crash is applied normally
+    _drive(project, "change", "11")
+    again = _drive(project, "run")
+    assert again.get("ok") and set(again["codes"].values()) == {"INCREMENTAL"}, again
+
+    check = _drive(project, "check")
+    assert check["equal"] == {"agg": True, "bag": True}, check
+    assert check["test_ok"], check
+    # exactly two change windows were merged into agg's state: no window applied twice
+    assert check["operations"].count("MERGE") == 2, check
+
+
+class _SessionExecutor:
+    def __init__(self, session):
+        self.session = session
+
+    def query(self, statement: str) -> list[tuple]:
+        return [tuple(r) for r in self.session.sql(statement).collect()]
+
+
+def test_concurrent_refreshes_apply_a_change_once(tmp_path):
+    from dbt_ivm.refresh import INCREMENTAL, NOOP, Refresher
+
+    project = DbtProject(tmp_path / "conc", name="conc", schema="conc_out")
+    project.write("models/sources.yml", """
+        version: 2
+        sources:
+          - name: src
+            schema: conc_src
+            tables: [{name: t}]
+    """)
+    project.write("models/agg.sql", """
+        {{ config(materialized='incremental_mv') }}
+        select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k
+    """)
+    sql("create schema if not exists conc_src")
+    sql("drop table if exists conc_src.t")
+    sql("create table conc_src.t (k int, v int) using delta tblproperties (delta.enableChangeDataFeed = true)")
+    sql("insert into conc_src.t select id % 5, id from range(0, 40)")
+    built = project.dbt("run")
+    assert built.code("agg") == "CREATE"
+    compiled = built.results["agg"].node.compiled_code
+
+    for round_ in range(3):
+        sql(f"insert into conc_src.t values ({round_}, 100), ({round_}, 100)")
+        sql(f"delete from conc_src.t where v = {round_ + 1}")
+        merges_before = _merges()
+        outcomes: list = []
+        barrier = threading.Barrier(2)
+
+        def refresh():
+            ex = _SessionExecutor(spark().newSession())
+            barrier.wait()
+            try:
+                outcomes.append(Refresher(ex, compiled, "conc_out.agg", {}, False).run().strategy)
+            except Exception as e:  # a clean failure: Delta's conflict check
+                outcomes.append(f"error: {type(e).__name__}")
+
+        threads = [threading.Thread(target=refresh) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert outcomes.count(INCREMENTAL) <= 1, outcomes
+        assert _merges() - merges_before <= 1, outcomes
+        # whatever happened, one more refresh leaves the model exact, the change applied once
+        final = project.dbt("run")
+        assert final.code("agg") in (INCREMENTAL, NOOP)
+        assert _merges() - merges_before == 1, (outcomes, final.code("agg"))
+        assert check_model("conc_out.agg", compiled) is None
+
+
+def _merges() -> int:
+    return sum(1 for r in sql("describe history conc_out.agg__ivm_state") if r.operation == "MERGE")

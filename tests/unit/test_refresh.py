@@ -1,0 +1,76 @@
+"""Pure-Python tier: the strategy decision, config validation and the watermark."""
+
+import pytest
+
+from dbt_ivm.catalog import DELTA, OTHER, Source
+from dbt_ivm.errors import IvmConfigError, Reason
+from dbt_ivm.refresh import (
+    CREATE, FULL, INCREMENTAL, NOOP, Watermark, decide, validate_config,
+)
+
+SRC = Source("db.a", (("i", "int"),), kind=DELTA, version=5, cdf=True)
+
+
+def wm(version=5, sig="sig"):
+    return Watermark(sig, "bag", "select i from db.a", {"i": "int"},
+                     [{"name": "db.a", "kind": "delta", "physical": "db.a", "multiplicity": None,
+                       "columns": [["i", "int"]], "version": version}])
+
+
+def run(**kw):
+    args = dict(policy="auto", full_refresh=False, state_exists=True, view_exists=True,
+                watermark=wm(), sig="sig", sources=[SRC], unsupported=None)
+    args.update(kw)
+    return decide(**args)
+
+
+def test_first_build_is_create():
+    assert run(state_exists=False, watermark=None).strategy == CREATE
+
+
+def test_no_change_is_noop():
+    d = run()
+    assert (d.strategy, d.reason.code) == (NOOP, "NO_CHANGES")
+
+
+def test_changed_source_is_incremental():
+    assert run(watermark=wm(version=3)).strategy == INCREMENTAL
+
+
+@pytest.mark.parametrize("kw, code", [
+    (dict(full_refresh=True), "FULL_REFRESH"),
+    (dict(sig="other"), "PLAN_SIGNATURE_MISMATCH"),
+    (dict(view_exists=False), "VIEW_MISSING"),
+    (dict(watermark=None), "NO_WATERMARK"),
+    (dict(watermark=wm(3), policy="full"), "POLICY_FULL"),
+    (dict(watermark=wm(3), unsupported=Reason("UNSUPPORTED_HAVING", "x")), "UNSUPPORTED_HAVING"),
+    (dict(watermark=wm(3), sources=[Source("db.a", (("i", "int"),), version=5, cdf=False)]), "CDF_DISABLED"),
+    (dict(sources=[Source("db.a", (("i", "int"),), kind=OTHER, cdf=False)]), "SOURCE_NOT_DELTA"),
+    (dict(watermark=wm(9)), "SOURCE_VERSION_REWOUND"),
+])
+def test_fallbacks_carry_a_reason(kw, code):
+    d = run(**kw)
+    assert (d.strategy, d.reason.code) == (FULL, code)
+
+
+def test_unchanged_sources_stay_noop_even_if_query_is_unsupported():
+    assert run(unsupported=Reason("UNSUPPORTED_HAVING", "x")).strategy == NOOP
+
+
+@pytest.mark.parametrize("policy", ["auto", "incremental", "partition", "full", "FULL"])
+def test_valid_policies(policy):
+    assert validate_config({"ivm_policy": policy})["ivm_policy"] == policy.lower()
+
+
+def test_invalid_policy_names_the_valid_values():
+    with pytest.raises(IvmConfigError, match="Invalid ivm_policy provided: 'sometimes'.*auto, incremental, partition, full"):
+        validate_config({"ivm_policy": "sometimes"})
+
+
+def test_watermark_round_trips_and_ignores_foreign_metadata():
+    w = wm()
+    back = Watermark.from_json(w.to_json())
+    assert back.versions() == {"db.a": 5} and back.signature == "sig"
+    assert Watermark.from_json('{"note": "someone else"}') is None
+    assert Watermark.from_json("not json") is None
+    assert Watermark.from_json(None) is None
