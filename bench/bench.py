@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--change", type=float, default=0.001,
                    help="fraction of fact rows changed per repeat (default 0.001 = 0.1%%)")
     p.add_argument("--repeats", type=int, default=2, help="change + incremental + full rounds (default 2)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed change + incremental rounds before the timed ones, so the first "
+                        "MERGE's JVM warm-up (class loading, codegen) is not measured (default 1)")
     p.add_argument("--driver-memory", default="8g", help="spark.driver.memory (default 8g)")
     p.add_argument("--master", default="local[*]", help="spark.master (default local[*])")
     p.add_argument("--shuffle-partitions", default="8", help="spark.sql.shuffle.partitions (default 8)")
@@ -78,6 +81,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--rows must be at least 1000")
     if not 0 < args.change < 0.5:
         p.error("--change must be in (0, 0.5)")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     return args
@@ -292,9 +297,18 @@ def main() -> None:
         expect(m, "create", resp, wall, "CREATE")
         timings[m]["create"] = (resp.get("seconds") or 0, wall)
 
+    for w in range(args.warmup):
+        t = time.perf_counter()
+        change = b.apply_change(w)
+        print(f"\nwarm-up {w + 1}/{args.warmup} (not recorded): changed bench.orders in "
+              f"{time.perf_counter() - t:.1f}s ({change['total']} rows)", flush=True)
+        for m in MODELS:
+            resp, wall = b.dbt("run", select=m)
+            expect(m, "warm-up", resp, wall, "INCREMENTAL")
+
     for rep in range(args.repeats):
         t = time.perf_counter()
-        change = b.apply_change(rep)
+        change = b.apply_change(args.warmup + rep)
         print(f"\nrepeat {rep + 1}/{args.repeats}: changed bench.orders in {time.perf_counter() - t:.1f}s: "
               f"{change['inserted']} inserted, {change['deleted']} deleted, {change['updated']} updated "
               f"({change['total']} rows, {change['total'] / b.n_rows:.3%})", flush=True)
@@ -355,7 +369,7 @@ def render(b: Bench, args, timings: dict, problems: list, gen_s: float, total_s:
         f"- command: `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`",
         f"- bench.orders: {b.n_rows:,} rows; bench.customer: {b.n_customers:,} rows (generated in {gen_s:.1f}s)",
         f"- change per repeat: {args.change:.3%} of the fact rows (70% inserts, 20% deletes, 10% updates); "
-        f"repeats: {args.repeats} (medians shown)",
+        f"repeats: {args.repeats} (medians shown), after {args.warmup} untimed warm-up round(s)",
         f"- Spark {spark.version}, master {spark.sparkContext.master}, driver memory {args.driver_memory}, "
         f"shuffle partitions {args.shuffle_partitions}; {os.cpu_count()} CPUs, {platform.machine()}",
         f"- total wall time: {total_s:.1f}s",
