@@ -110,6 +110,8 @@ class Result:
         parts.append(f"in {self.seconds:.2f}s")
         if self.reason and self.reason.detail:
             parts.append(f"- {self.reason.detail}")
+            if self.reason.hint:
+                parts.append(f"(hint: {self.reason.hint})")
         return " ".join(parts)
 
 

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.spark
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     p = DbtProject(tmp_path_factory.mktemp("foundation"), name="foundation", schema="fnd")
+    sql("drop schema if exists fnd cascade")
     sql("create schema if not exists fnd_src")
     for t in ("orders", "plain", "nocdf", "empty"):
         sql(f"drop table if exists fnd_src.{t}")
@@ -66,15 +67,19 @@ def test_first_build_creates_state_and_a_view_with_exactly_the_models_columns(pr
     assert columns == ["cust", "total", "n", "avg_price"]
     assert any(c.startswith("__ivm_") for c in [r.col_name for r in sql("describe table fnd.by_cust__ivm_state")])
     # bag semantics: the duplicated source row appears twice
-    assert sorted(tuple(r) for r in sql("select * from fnd.rows_bag")).count((2, 5)) == 0
     assert [tuple(r) for r in sql("select count(*) from fnd.rows_bag where cust = 2")] == [(2,)]
+    assert [tuple(r) for r in sql("select count(*), count(distinct __ivm_rid) from fnd.rows_bag__ivm_state "
+                                  "where cust = 2")] == [(1, 1)]
     # an empty source gives the one row of a scalar aggregate
     assert [tuple(r) for r in sql("select * from fnd.empty_scalar")] == [(0, None, None)]
 
 
 def test_second_run_without_changes_is_noop(project):
     out = project.dbt("run")
-    assert {n: out.code(n) for n in out.results} == {n: "NOOP" for n in out.results}
+    codes = {n: out.code(n) for n in out.results}
+    # a non-Delta source has no version to compare: it is rebuilt every run, with the reason
+    assert codes.pop("on_parquet") == "FULL" and out.response("on_parquet")["reason"] == "SOURCE_NOT_DELTA"
+    assert codes == {n: "NOOP" for n in codes}
     assert out.response("by_cust")["reason"] == "NO_CHANGES"
     assert "NOOP" in out.results["by_cust"].message
 
