@@ -210,8 +210,9 @@ def _with_recompute(plan: Plan, source: str, state: str, window: Window) -> str:
     )
     aggs = ", ".join(f"{a.func.upper()}(r.{quote(a.arg)}) AS {a.col('rcv')}" for a in minmax)
     key_list = ", ".join(f"r.{k}" for k in keys)
+    hint = "/*+ BROADCAST(f) */ " if window.broadcast else ""
     recompute = (
-        f"SELECT {key_list + ', ' if keys else ''}{aggs} FROM ({rel}) AS r "
+        f"SELECT {hint}{key_list + ', ' if keys else ''}{aggs} FROM ({rel}) AS r "
         f"LEFT SEMI JOIN {PREFIX}needed AS f ON {_nullsafe_on(keys, 'r', 'f')}"
         + (f" GROUP BY {key_list}" if keys else "")
     )

@@ -38,6 +38,9 @@ class Window:
 
     old: dict = field(default_factory=dict)
     new: dict = field(default_factory=dict)
+    # The change is small: broadcast delta relations into their joins, so the
+    # snapshot side is scanned once and never shuffled.
+    broadcast: bool = False
 
     def version(self, source: Source, side: str) -> Optional[int]:
         return (self.old if side == OLD else self.new).get(source.physical)
@@ -142,8 +145,15 @@ def _block_delta(block: Block, window: Window) -> Optional[exp.Query]:
             + [d]
             + [snapshot(c, window, OLD) for c in children[i + 1 :]]
         )
-        terms.append(_render_block(block, rels))
+        term = _render_block(block, rels)
+        if window.broadcast and len(children) > 1:
+            term.set("hint", broadcast_hint(block.items[i][0]))
+        terms.append(term)
     return _union(terms) if terms else None
+
+
+def broadcast_hint(alias: str) -> exp.Hint:
+    return exp.Hint(expressions=[exp.Anonymous(this="BROADCAST", expressions=[exp.to_identifier(alias, quoted=True)])])
 
 
 # --------------------------------------------------------------------------- union

@@ -28,6 +28,8 @@ from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, build_plan, referenced_ta
 
 CREATE, NOOP, INCREMENTAL, PARTITION, FULL = "CREATE", "NOOP", "INCREMENTAL", "PARTITION", "FULL"
 POLICIES = ("auto", "incremental", "partition", "full")
+# Changes up to this many rows are broadcast into joins (see delta.Window.broadcast).
+BROADCAST_ROWS = 500_000
 STATE_SUFFIX = "__ivm_state"
 WATERMARK_FORMAT = 1
 
@@ -98,12 +100,15 @@ class Result:
     seconds: float = 0.0
     rows: dict = field(default_factory=dict)  # merge metrics
     changed_sources: list = field(default_factory=list)
+    sizes: dict = field(default_factory=dict)  # source -> changed rows
 
     def message(self) -> str:
         parts = [self.strategy]
         if self.reason:
             parts.append(f"[{self.reason.code}]")
-        if self.changed_sources:
+        if self.sizes:
+            parts.append("changes: " + ", ".join(f"{n} {c} rows" for n, c in self.sizes.items()))
+        elif self.changed_sources:
             parts.append(f"changed: {', '.join(self.changed_sources)}")
         if self.rows:
             parts.append(", ".join(f"{k}={v}" for k, v in self.rows.items()))
@@ -123,7 +128,32 @@ def validate_config(config: dict) -> dict:
             f"Invalid ivm_policy provided: {config.get('ivm_policy')!r}. "
             f"Expected one of: {', '.join(POLICIES)}."
         )
-    return {"ivm_policy": policy}
+    threshold = config.get("ivm_full_threshold")
+    try:
+        threshold = 0.5 if threshold is None else float(threshold)
+    except (TypeError, ValueError):
+        threshold = -1.0
+    if not 0 < threshold <= 1:
+        raise IvmConfigError(
+            f"Invalid ivm_full_threshold provided: {config.get('ivm_full_threshold')!r}. "
+            "Expected a number in (0, 1]: the fraction of a source's rows that may change "
+            "before ivm_policy='auto' rebuilds instead of refreshing incrementally."
+        )
+    return {"ivm_policy": policy, "ivm_full_threshold": threshold}
+
+
+def too_large(sizes: dict, threshold: float) -> Optional[Reason]:
+    """Cost rule of ivm_policy='auto': a change that touches more than ``threshold``
+    of a source's rows is cheaper to rebuild than to apply. ``sizes`` maps a source
+    name to (changed rows, rows now)."""
+    for name, (changes, total) in sizes.items():
+        if changes > threshold * max(total, 1) and changes > 1000:
+            return Reason(
+                "CHANGE_TOO_LARGE",
+                f"{changes} changed rows in {name} exceed {threshold:g} of its {total} rows",
+                "a rebuild is cheaper; raise ivm_full_threshold to refresh incrementally anyway",
+            )
+    return None
 
 
 def state_name(relation: str) -> str:
@@ -295,11 +325,19 @@ class Refresher:
                 f"ivm_policy is 'incremental' but the refresh of {self.relation} cannot be "
                 f"incremental: {decision.reason.message()}"
             )
+        sizes = {}
+        if decision.strategy == INCREMENTAL:
+            sizes = self._change_sizes(sources, watermark)
+            costly = too_large(sizes, self.config["ivm_full_threshold"])
+            if costly and self.config["ivm_policy"] == "auto":
+                decision = Decision(FULL, costly)
         result = Result(decision.strategy, decision.reason)
+        result.sizes = {n: c for n, (c, _) in sizes.items()}
         if decision.strategy in (CREATE, FULL):
             self._rebuild(plan, sources, sig, decision, state_exists, version)
         elif decision.strategy == INCREMENTAL:
-            self._incremental(plan, sources, watermark, version, result)
+            small = sum(result.sizes.values()) <= BROADCAST_ROWS
+            self._incremental(plan, sources, watermark, version, result, small)
         result.seconds = time.time() - start
         return result
 
@@ -359,9 +397,27 @@ class Refresher:
             out.append((row[0].lower(), row[1]))
         return out
 
-    def _incremental(self, plan: Plan, sources, watermark: Watermark, version, result: Result) -> None:
+    def _change_sizes(self, sources, watermark: Watermark) -> dict:
+        """(changed rows, rows now) of each changed source: one small job each
+        (Delta answers the unfiltered count from its log)."""
         old = watermark.versions()
-        window = Window(old=old, new={s.physical: s.version for s in sources})
+        sizes = {}
+        for s in sources:
+            if old.get(s.physical) == s.version:
+                continue
+            name = s.physical.replace("'", "\\'")
+            row = self.ex.query(
+                f"SELECT (SELECT count(*) FROM table_changes('{name}', {int(old[s.physical]) + 1}, "
+                f"{int(s.version)}) WHERE _change_type != 'update_preimage'), "
+                f"(SELECT count(*) FROM {quote(s.physical)} VERSION AS OF {int(s.version)})"
+            )[0]
+            sizes[s.name] = (int(row[0]), int(row[1]))
+        return sizes
+
+    def _incremental(self, plan: Plan, sources, watermark: Watermark, version, result: Result,
+                     broadcast: bool) -> None:
+        old = watermark.versions()
+        window = Window(old=old, new={s.physical: s.version for s in sources}, broadcast=broadcast)
         result.changed_sources = [s.name for s in sources if window.changed(s)]
         merge = apply.merge_statement(plan, self.state, window, watermark.columns)
         wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns)

@@ -9,6 +9,7 @@
   {#-- Validate config first: nothing runs on a bad config --#}
   {%- set ivm_config = adapter.ivm_validate_config({
         'ivm_policy': config.get('ivm_policy', 'auto'),
+        'ivm_full_threshold': config.get('ivm_full_threshold'),
       }) -%}
   {%- set target_relation = this.incorporate(type='view') -%}
   {%- set existing_relation = load_cached_relation(this) -%}

@@ -74,3 +74,19 @@ def test_watermark_round_trips_and_ignores_foreign_metadata():
     assert Watermark.from_json('{"note": "someone else"}') is None
     assert Watermark.from_json("not json") is None
     assert Watermark.from_json(None) is None
+
+
+def test_threshold_validation():
+    assert validate_config({})["ivm_full_threshold"] == 0.5
+    assert validate_config({"ivm_full_threshold": "0.2"})["ivm_full_threshold"] == 0.2
+    for bad in (0, 1.5, "lots"):
+        with pytest.raises(IvmConfigError, match="Invalid ivm_full_threshold provided"):
+            validate_config({"ivm_full_threshold": bad})
+
+
+def test_large_changes_go_full_small_ones_do_not():
+    from dbt_ivm.refresh import too_large
+
+    assert too_large({"db.a": (600_000, 1_000_000)}, 0.5).code == "CHANGE_TOO_LARGE"
+    assert too_large({"db.a": (400_000, 1_000_000)}, 0.5) is None
+    assert too_large({"db.a": (3, 3)}, 0.5) is None  # tiny tables: always incremental

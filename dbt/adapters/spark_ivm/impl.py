@@ -28,6 +28,7 @@ class IvmAdapterResponse(AdapterResponse):
     reason_detail: Optional[str] = None
     seconds: Optional[float] = None
     changed_sources: Optional[list] = None
+    changes: Optional[dict] = None
     rows: Optional[dict] = None
 
 
@@ -104,6 +105,7 @@ class SparkIvmAdapter(SparkAdapter):
             reason_detail=result.reason.detail if result.reason else None,
             seconds=round(result.seconds, 3),
             changed_sources=result.changed_sources or None,
+            changes=result.sizes or None,
             rows=result.rows or None,
         )
 
