@@ -331,6 +331,11 @@ class Refresher:
             costly = too_large(sizes, self.config["ivm_full_threshold"])
             if costly and self.config["ivm_policy"] == "auto":
                 decision = Decision(FULL, costly)
+            elif not any(c for c, _ in sizes.values()):
+                # New versions without changed rows (an UPDATE matching nothing, an
+                # upstream MERGE that changed no row): nothing to write. The
+                # watermark stays; the empty range is re-read cheaply next time.
+                decision = Decision(NOOP, Reason("NO_ROW_CHANGES", "sources have new versions but no changed rows"))
         result = Result(decision.strategy, decision.reason)
         result.sizes = {n: c for n, (c, _) in sizes.items()}
         if decision.strategy in (CREATE, FULL):

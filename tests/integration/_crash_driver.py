@@ -1,5 +1,9 @@
 """Subprocess driver for the exactly-once tests: one JVM per call, so the test can
-SIGKILL it. Usage: python _crash_driver.py <project_dir> <setup|change|run|check> [n]
+SIGKILL it. Usage: python _crash_driver.py <project_dir> <prepare|run|verify>
+
+prepare: create the source, build the models, change the source (window 1);
+run: one `dbt run` (the one the test kills); verify: rerun, change again
+(window 2), run, then compare with a full recompute and run `dbt test`.
 
 Prints one JSON line (prefixed "RESULT ") with what happened.
 """
@@ -25,25 +29,29 @@ def dbt(*args):
     return {r.node.name: (r.adapter_response or {}).get("code") for r in getattr(res.result, "results", []) or []}, res.success
 
 
-if action == "setup":
+def change(n: int) -> None:
+    s = spark()
+    s.sql(f"insert into src.t values ({n % 7}, {1000 + n}), ({n % 7}, {1000 + n})")
+    s.sql(f"delete from src.t where v = {n}")
+    s.sql(f"update src.t set k = k + 1 where v = {n + 1}")
+
+
+if action == "prepare":
     s = spark()
     s.sql("create schema if not exists src")
     s.sql("drop table if exists src.t")
     s.sql("create table src.t (k int, v int) using delta tblproperties (delta.enableChangeDataFeed = true)")
     s.sql("insert into src.t select id % 7, id from range(0, 50)")
     codes, ok = dbt("run")
+    change(5)
     print("RESULT " + json.dumps({"codes": codes, "ok": ok}))
-elif action == "change":
-    n = int(sys.argv[3])
-    s = spark()
-    s.sql(f"insert into src.t values ({n % 7}, {1000 + n}), ({n % 7}, {1000 + n})")
-    s.sql(f"delete from src.t where v = {n}")
-    s.sql(f"update src.t set k = k + 1 where v = {n + 1}")
-    print("RESULT " + json.dumps({"ok": True}))
 elif action == "run":
     codes, ok = dbt("run")
     print("RESULT " + json.dumps({"codes": codes, "ok": ok}))
-elif action == "check":
+elif action == "verify":
+    rerun, rerun_ok = dbt("run")
+    change(11)
+    again, again_ok = dbt("run")
     s = spark()
     out = {}
     for model in ("agg", "bag"):
@@ -53,4 +61,5 @@ elif action == "check":
         out[model] = expected == actual
     merges = [r.operation for r in s.sql("describe history out.agg__ivm_state").collect()]
     codes, ok = dbt("test")
-    print("RESULT " + json.dumps({"equal": out, "test_ok": ok, "operations": merges}))
+    print("RESULT " + json.dumps({"rerun": rerun, "rerun_ok": rerun_ok, "again": again, "again_ok": again_ok,
+                                  "equal": out, "test_ok": ok, "operations": merges}))

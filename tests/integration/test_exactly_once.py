@@ -70,34 +70,28 @@ def _drive(project: Path, *args: str, failpoint: str = "", kill_after: float = 0
 def test_killed_refresh_reruns_exactly(tmp_path, failpoint):
     project = tmp_path / "crash"
     _project(project)
-    setup = _drive(project, "setup")
+    setup = _drive(project, "prepare")
     assert setup.get("ok") and setup["codes"] == {"agg": "CREATE", "bag": "CREATE"}, setup
 
-    _drive(project, "change", "5")
     if failpoint == "timed":
-        crashed = _drive(project, "run", kill_after=25.0)  # mid-run: JVM up, refresh in flight
+        _drive(project, "run", kill_after=25.0)  # mid-run: JVM up, refresh in flight (or done)
     else:
         crashed = _drive(project, "run", failpoint=failpoint)
         assert crashed.get("killed"), crashed  # the failpoint really fired
 
-    rerun = _drive(project, "run")
-    assert rerun.get("ok"), rerun
+    v = _drive(project, "verify")
+    assert v.get("rerun_ok"), v
     if failpoint == "after_commit":
         # the first model's change was committed before the kill: nothing left to apply
-        assert rerun["codes"]["agg"] == "NOOP", rerun
+        assert v["rerun"]["agg"] == "NOOP", v
     elif failpoint == "before_commit":
-        assert rerun["codes"]["agg"] == "INCREMENTAL", rerun
-
+        assert v["rerun"]["agg"] == "INCREMENTAL", v
     # a second change window after the crash is applied normally
-    _drive(project, "change", "11")
-    again = _drive(project, "run")
-    assert again.get("ok") and set(again["codes"].values()) == {"INCREMENTAL"}, again
-
-    check = _drive(project, "check")
-    assert check["equal"] == {"agg": True, "bag": True}, check
-    assert check["test_ok"], check
-    # exactly two change windows were merged into agg's state: no window applied twice
-    assert check["operations"].count("MERGE") == 2, check
+    assert v["again_ok"] and set(v["again"].values()) == {"INCREMENTAL"}, v
+    assert v["equal"] == {"agg": True, "bag": True}, v
+    assert v["test_ok"], v
+    # exactly two change windows were merged into agg's state: none applied twice
+    assert v["operations"].count("MERGE") == 2, v
 
 
 class _SessionExecutor:
