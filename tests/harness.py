@@ -19,7 +19,21 @@ from typing import Any, Optional
 
 import yaml
 
-WORKSPACE = Path(os.environ.get("DBT_IVM_TEST_WORKSPACE", "/tmp/dbt_ivm_tests"))
+def _workspace() -> Path:
+    """Warehouse + Derby metastore of this test process: DBT_IVM_TEST_WORKSPACE, or a
+    fresh temporary folder removed at exit (Derby admits one process per metastore)."""
+    if os.environ.get("DBT_IVM_TEST_WORKSPACE"):
+        return Path(os.environ["DBT_IVM_TEST_WORKSPACE"])
+    import atexit
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="dbt_ivm_tests_"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+WORKSPACE = _workspace()
 TOLERANCE = 1e-9
 
 _spark = None
