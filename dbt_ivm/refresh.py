@@ -327,9 +327,16 @@ class Refresher:
             )
         sizes = {}
         if decision.strategy == INCREMENTAL:
-            sizes = self._change_sizes(sources, watermark)
+            try:
+                sizes = self._change_sizes(sources, watermark)
+            except Exception as e:  # the feed does not cover the window (enabled late, vacuumed)
+                sizes, decision = {}, Decision(FULL, Reason(
+                    "CDF_UNAVAILABLE", f"the change data feed does not cover the window: {str(e)[:200]}",
+                    "keep delta.enableChangeDataFeed on and refresh more often than the feed's retention"))
             costly = too_large(sizes, self.config["ivm_full_threshold"])
-            if costly and self.config["ivm_policy"] == "auto":
+            if decision.strategy == FULL:
+                pass
+            elif costly and self.config["ivm_policy"] == "auto":
                 decision = Decision(FULL, costly)
             elif not any(c for c, _ in sizes.values()):
                 # New versions without changed rows (an UPDATE matching nothing, an
