@@ -435,7 +435,9 @@ class Refresher:
         wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns)
         if merge is None:
             return
-        with self._commit(wm, version):
+        # Our MERGE source is small but expensive (deltas joined with snapshots):
+        # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
+        with self._commit(wm, version, {"spark.databricks.delta.merge.materializeSource": "all"}):
             _failpoint("before_commit")
             rows = self.ex.query(merge)
             _failpoint("after_commit")
@@ -447,11 +449,11 @@ class Refresher:
             names = ("affected", "updated", "deleted", "inserted")
             result.rows = {n: int(v) for n, v in zip(names, rows[0]) if v is not None}
 
-    def _commit(self, wm: Watermark, version: Optional[int]):
+    def _commit(self, wm: Watermark, version: Optional[int], extra: Optional[dict] = None):
         """Session confs around the one write: the watermark rides in the commit
         (userMetadata) and (app, version) makes the write idempotent."""
         ex = self.ex
-        confs = {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json()}
+        confs = {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json(), **(extra or {})}
         if version is not None:
             confs["spark.databricks.delta.write.txnAppId"] = f"dbt_ivm:{self.state}"
             confs["spark.databricks.delta.write.txnVersion"] = str(version)
