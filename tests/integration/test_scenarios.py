@@ -11,7 +11,9 @@ equality), and the strategy in run_results' adapter_response is checked:
   INCREMENTAL (NOOP when its step changes nothing);
 * every other case may fall back (FULL), but must still be exact.
 
-Select cases with DBT_IVM_CASES=D01,D03 (default: all).
+Select cases with DBT_IVM_CASES=D01,D03 (default: all). The batched variant
+doubles the suite's time; it runs with DBT_IVM_SCENARIO_BATCHED=1 (off in the
+default `./run test`, which must fit CI's time limit on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -194,7 +196,8 @@ def suite(tmp_path_factory):
     s = Suite(tmp_path_factory.mktemp("scenarios"), load_cases())
     s.run_stepwise()
     s.run_audit()
-    s.run_batched()
+    if os.environ.get("DBT_IVM_SCENARIO_BATCHED", "0") == "1":
+        s.run_batched()
     print("\n" + s.table())
     return s
 
