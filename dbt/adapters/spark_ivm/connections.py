@@ -93,6 +93,17 @@ def default_spark_conf(
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
+        # Local mode runs every task inside the driver JVM; Spark's 1g default
+        # heap runs out ("Not enough memory to build and broadcast the table")
+        # after a few hundred refreshes in one session. Only read when the JVM
+        # starts, so it must be set here, not per query.
+        "spark.driver.memory": "4g",
+        # The SQL status store keeps 1000 executions' plans by default; a dbt
+        # session issues thousands of small statements and nobody reads them
+        # (the UI is off).
+        "spark.sql.ui.retainedExecutions": "50",
+        "spark.ui.retainedJobs": "50",
+        "spark.ui.retainedStages": "50",
     }
     conf.update(overrides or {})
     return conf
