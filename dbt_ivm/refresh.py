@@ -142,12 +142,17 @@ def validate_config(config: dict) -> dict:
     return {"ivm_policy": policy, "ivm_full_threshold": threshold}
 
 
+# Changes up to this many rows are always applied incrementally (see too_large).
+SMALL_CHANGE = 1000
+
+
 def too_large(sizes: dict, threshold: float) -> Optional[Reason]:
     """Cost rule of ivm_policy='auto': a change that touches more than ``threshold``
     of a source's rows is cheaper to rebuild than to apply. ``sizes`` maps a source
-    name to (changed rows, rows now)."""
+    name to (changed rows, rows now); rows now may be None for a change of at most
+    SMALL_CHANGE rows (never rebuilt, so never counted)."""
     for name, (changes, total) in sizes.items():
-        if changes > threshold * max(total, 1) and changes > 1000:
+        if changes > SMALL_CHANGE and changes > threshold * max(total or 0, 1):
             return Reason(
                 "CHANGE_TOO_LARGE",
                 f"{changes} changed rows in {name} exceed {threshold:g} of its {total} rows",
@@ -248,6 +253,80 @@ def describe_source(ex: Executor, name: str) -> Source:
     return Source(name=name, columns=tuple(columns), kind=DELTA, version=version, cdf=cdf)
 
 
+# Delta operations that commit no row changes (their change feed is empty).
+_NO_ROW_CHANGE_OPS = frozenset({
+    "OPTIMIZE", "VACUUM START", "VACUUM END", "SET TBLPROPERTIES", "UNSET TBLPROPERTIES",
+    "ADD COLUMNS", "CHANGE COLUMN", "CHANGE COLUMNS", "RENAME COLUMN", "DROP COLUMNS",
+    "REPLACE COLUMNS", "UPGRADE PROTOCOL", "ADD CONSTRAINT", "DROP CONSTRAINT",
+    "SET COLUMN TAGS", "UNSET COLUMN TAGS", "REORG", "ADD FEATURE", "DROP FEATURE",
+    "CREATE TABLE", "COMPUTE STATS", "ANALYZE STATS",
+})
+
+
+def _as_map(value) -> dict:
+    """A DESCRIBE HISTORY map column: a dict from a Spark session, a JSON-ish
+    string through Thrift."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and value.startswith("{"):
+        try:
+            data = json.loads(value)
+            return data if isinstance(data, dict) else {}
+        except ValueError:
+            return {}
+    return {}
+
+
+def estimate_changes(history: list[tuple], old: int, new: int) -> Optional[int]:
+    """Changed rows of versions (old, new] from their commits' operationMetrics
+    (DESCRIBE HISTORY rows, newest first), as table_changes would count them
+    without update pre-images; None when a commit's metrics do not say (an
+    overwrite, a RESTORE, an operation not known here, a gap in the history,
+    a change feed enabled inside the window).
+
+    >>> h = [(3, None, None, None, "DELETE", {}, None, None, None, 2, None, False, {"numDeletedRows": "2"}),
+    ...      (2, None, None, None, "WRITE", {"mode": "Append"}, None, None, None, 1, None, True, {"numOutputRows": "5"})]
+    >>> estimate_changes(h, 1, 3)
+    7
+    >>> estimate_changes(h, 0, 3) is None  # version 1 is not in the rows
+    True
+    """
+    window = [r for r in history if old < int(r[0]) <= new]
+    if len(window) != new - old:
+        return None
+    total = 0
+    for row in window:
+        op = str(row[4] or "").upper()
+        params, metrics = _as_map(row[5]), _as_map(row[12] if len(row) > 12 else None)
+
+        def metric(*names: str) -> Optional[int]:
+            try:
+                return sum(int(metrics[n]) for n in names)
+            except (KeyError, TypeError, ValueError):
+                return None
+
+        if op in _NO_ROW_CHANGE_OPS:
+            if "changedatafeed" in json.dumps(params).lower():
+                return None  # the feed was switched on (or off) inside the window
+            n = 0
+        elif op in ("WRITE", "STREAMING UPDATE") and str(params.get("mode", "")).strip('"') == "Append":
+            n = metric("numOutputRows")
+        elif op in ("CREATE TABLE AS SELECT",):
+            n = metric("numOutputRows")
+        elif op == "DELETE":
+            n = metric("numDeletedRows")
+        elif op == "UPDATE":
+            n = metric("numUpdatedRows")
+        elif op == "MERGE":
+            n = metric("numTargetRowsInserted", "numTargetRowsUpdated", "numTargetRowsDeleted")
+        else:
+            n = None
+        if n is None:
+            return None
+        total += n
+    return total
+
+
 def history_head(ex: Executor, table: str, depth: int = 1) -> tuple[Optional[int], list[tuple]]:
     rows = ex.query(f"DESCRIBE HISTORY {quote(table)} LIMIT {depth}")
     return (int(rows[0][0]) if rows else None), rows
@@ -275,13 +354,29 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
     return current, None
 
 
-def relation_exists(ex: Executor, name: str) -> bool:
-    db, _, table = name.rpartition(".")
-    rows = ex.query(f"SHOW TABLES IN {quote(db)} LIKE '{table}'") if db else []
-    return any((r[1] or "").lower() == table.lower() for r in rows)
+def relations_present(ex: Executor, names: list[str]) -> set[str]:
+    """Which of ``names`` (schema.table, one schema) exist: one SHOW TABLES."""
+    db = names[0].rpartition(".")[0]
+    if not db:
+        return set()
+    tables = {n.rpartition(".")[2].lower() for n in names}
+    rows = ex.query(f"SHOW TABLES IN {quote(db)} LIKE '{'|'.join(sorted(tables))}'")
+    found = {(r[1] or "").lower() for r in rows}
+    return {n for n in names if n.rpartition(".")[2].lower() in found}
 
 
-# --------------------------------------------------------------------------- run
+# Errors meaning the change feed or an old snapshot of the window is gone.
+_MISSING_HISTORY = re.compile(
+    r"DELTA_MISSING_CHANGE_DATA|DELTA_CHANGE_DATA_FILE_NOT_FOUND|DELTA_CHANGE_TABLE_FEED_DISABLED"
+    r"|DELTA_FILE_NOT_FOUND|DELTA_LOG_FILE_NOT_FOUND|DELTA_VERSIONS_NOT_CONTIGUOUS"
+    r"|DELTA_CANNOT_TIME_TRAVEL|DELTA_VERSION_NOT_FOUND|VersionNotFoundException|FileNotFoundException"
+)
+
+
+def _cdf_unavailable(e: BaseException) -> Reason:
+    return Reason(
+        "CDF_UNAVAILABLE", f"the change data feed does not cover the window: {str(e)[:200]}",
+        "keep delta.enableChangeDataFeed on and refresh more often than the feed's retention")
 
 
 def _failpoint(name: str) -> None:
@@ -308,11 +403,12 @@ class Refresher:
         catalog = Catalog({s.name: s for s in sources})
         plan, unsupported = self._plan(catalog)
         sig = signature(self.sql, sources)
-        state_exists = relation_exists(self.ex, self.state)
+        present = relations_present(self.ex, [self.state, self.relation])
+        state_exists = self.state in present
         version, watermark = read_watermark(self.ex, self.state) if state_exists else (None, None)
         decision = decide(
             policy=self.config["ivm_policy"], full_refresh=self.full_refresh,
-            state_exists=state_exists, view_exists=relation_exists(self.ex, self.relation),
+            state_exists=state_exists, view_exists=self.relation in present,
             watermark=watermark, sig=sig, sources=sources,
             unsupported=unsupported.reason if unsupported else None,
         )
@@ -330,9 +426,7 @@ class Refresher:
             try:
                 sizes = self._change_sizes(sources, watermark)
             except Exception as e:  # the feed does not cover the window (enabled late, vacuumed)
-                sizes, decision = {}, Decision(FULL, Reason(
-                    "CDF_UNAVAILABLE", f"the change data feed does not cover the window: {str(e)[:200]}",
-                    "keep delta.enableChangeDataFeed on and refresh more often than the feed's retention"))
+                sizes, decision = {}, Decision(FULL, _cdf_unavailable(e))
             costly = too_large(sizes, self.config["ivm_full_threshold"])
             if decision.strategy == FULL:
                 pass
@@ -345,11 +439,19 @@ class Refresher:
                 decision = Decision(NOOP, Reason("NO_ROW_CHANGES", "sources have new versions but no changed rows"))
         result = Result(decision.strategy, decision.reason)
         result.sizes = {n: c for n, (c, _) in sizes.items()}
+        if decision.strategy == INCREMENTAL:
+            small = sum(result.sizes.values()) <= BROADCAST_ROWS
+            try:
+                self._incremental(plan, sources, watermark, version, result, small)
+            except Exception as e:
+                # The window's change files or old snapshot are gone (VACUUM, log
+                # cleanup): nothing was written; rebuild instead, unless told not to.
+                if not _MISSING_HISTORY.search(str(e)) or self.config["ivm_policy"] == "incremental":
+                    raise
+                decision = Decision(FULL, _cdf_unavailable(e))
+                result.strategy, result.reason = decision.strategy, decision.reason
         if decision.strategy in (CREATE, FULL):
             self._rebuild(plan, sources, sig, decision, state_exists, version)
-        elif decision.strategy == INCREMENTAL:
-            small = sum(result.sizes.values()) <= BROADCAST_ROWS
-            self._incremental(plan, sources, watermark, version, result, small)
         result.seconds = time.time() - start
         return result
 
@@ -410,21 +512,38 @@ class Refresher:
         return out
 
     def _change_sizes(self, sources, watermark: Watermark) -> dict:
-        """(changed rows, rows now) of each changed source: one small job each
-        (Delta answers the unfiltered count from its log)."""
+        """(changed rows, rows now) of each changed source. The changed rows come
+        from the window's commit metrics (metadata, no Spark job); only where those
+        do not say is the change feed counted. Rows now are counted (from Delta's
+        file statistics) only for changes big enough for the cost rule."""
         old = watermark.versions()
-        sizes = {}
+        sizes: dict = {}
+        counts: dict = {}  # source name -> SQL of a scalar count
         for s in sources:
             if old.get(s.physical) == s.version:
                 continue
+            lo, hi = int(old[s.physical]), int(s.version)
+            _, history = history_head(self.ex, s.physical, depth=hi - lo)
+            estimate = estimate_changes(history, lo, hi)
             name = s.physical.replace("'", "\\'")
-            row = self.ex.query(
-                f"SELECT (SELECT count(*) FROM table_changes('{name}', {int(old[s.physical]) + 1}, "
-                f"{int(s.version)}) WHERE _change_type != 'update_preimage'), "
-                f"(SELECT count(*) FROM {quote(s.physical)} VERSION AS OF {int(s.version)})"
-            )[0]
-            sizes[s.name] = (int(row[0]), int(row[1]))
-        return sizes
+            if estimate is None:
+                counts[s.name] = (
+                    f"(SELECT count(*) FROM table_changes('{name}', {lo + 1}, {hi}) "
+                    "WHERE _change_type != 'update_preimage')"
+                )
+            sizes[s.name] = [estimate, None, s]
+        if counts:  # one statement for all of them
+            row = self.ex.query("SELECT " + ", ".join(counts.values()))[0]
+            for n, value in zip(counts, row):
+                sizes[n][0] = int(value)
+        big = {n: v for n, v in sizes.items() if v[0] > SMALL_CHANGE}
+        if big:
+            row = self.ex.query("SELECT " + ", ".join(
+                f"(SELECT count(*) FROM {quote(v[2].physical)} VERSION AS OF {int(v[2].version)})"
+                for v in big.values()))[0]
+            for n, value in zip(big, row):
+                sizes[n][1] = int(value)
+        return {n: (c, t) for n, (c, t, _) in sizes.items()}
 
     def _incremental(self, plan: Plan, sources, watermark: Watermark, version, result: Result,
                      broadcast: bool) -> None:

@@ -90,3 +90,46 @@ def test_large_changes_go_full_small_ones_do_not():
     assert too_large({"db.a": (600_000, 1_000_000)}, 0.5).code == "CHANGE_TOO_LARGE"
     assert too_large({"db.a": (400_000, 1_000_000)}, 0.5) is None
     assert too_large({"db.a": (3, 3)}, 0.5) is None  # tiny tables: always incremental
+
+
+def _commit(version, op, params=None, metrics=None):
+    # DESCRIBE HISTORY's columns up to operationMetrics (index 12)
+    return (version, None, None, None, op, params or {}, None, None, None, version - 1, None, False,
+            metrics or {})
+
+
+def test_change_estimate_from_commit_metrics():
+    from dbt_ivm.refresh import estimate_changes
+
+    history = [
+        _commit(6, "OPTIMIZE", {"predicate": "[]"}, {"numAddedFiles": "1"}),
+        _commit(5, "MERGE", {}, {"numTargetRowsInserted": "2", "numTargetRowsUpdated": "1",
+                                 "numTargetRowsDeleted": "0", "numTargetRowsCopied": "50"}),
+        _commit(4, "UPDATE", {}, {"numUpdatedRows": "3", "numCopiedRows": "40"}),
+        _commit(3, "DELETE", {}, {"numDeletedRows": "4"}),
+        _commit(2, "WRITE", {"mode": "Append"}, {"numOutputRows": "5"}),
+    ]
+    assert estimate_changes(history, 1, 6) == 15  # copied rows are not changes
+    assert estimate_changes(history, 4, 6) == 3
+    assert estimate_changes(history, 5, 6) == 0   # OPTIMIZE changes no row
+    assert estimate_changes(history, 0, 6) is None  # version 1 missing from the rows
+
+
+def test_change_estimate_unknown_when_metrics_do_not_say():
+    from dbt_ivm.refresh import estimate_changes
+
+    overwrite = [_commit(2, "WRITE", {"mode": "Overwrite"}, {"numOutputRows": "5"})]
+    assert estimate_changes(overwrite, 1, 2) is None  # deleted rows are not in the metrics
+    assert estimate_changes([_commit(2, "RESTORE", {}, {"numRestoredFiles": "1"})], 1, 2) is None
+    assert estimate_changes([_commit(2, "DELETE", {}, {"numRemovedFiles": "1"})], 1, 2) is None
+    feed_on = [_commit(2, "SET TBLPROPERTIES", {"properties": '{"delta.enableChangeDataFeed":"true"}'})]
+    assert estimate_changes(feed_on, 1, 2) is None  # the feed may not cover the window
+    # Thrift returns map columns as JSON text
+    as_text = [(2, None, None, None, "DELETE", "{}", None, None, None, 1, None, False, '{"numDeletedRows":"7"}')]
+    assert estimate_changes(as_text, 1, 2) == 7
+
+
+def test_small_changes_need_no_row_count():
+    from dbt_ivm.refresh import too_large
+
+    assert too_large({"db.a": (900, None)}, 0.5) is None
