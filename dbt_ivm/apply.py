@@ -82,6 +82,25 @@ def _bag_merge(plan: Plan, state: str, window: Window) -> Optional[str]:
 # --------------------------------------------------------------------------- aggregate
 
 
+# MIN/MAX state: each group keeps its TOP_K most extreme values (with
+# multiplicity), so a window that removes the current extreme usually finds the
+# next one in the state instead of re-reading the group from the sources.
+TOP_K = 16
+V, ACC, D = f"{PREFIX}v", f"{PREFIX}acc", f"{PREFIX}del"  # lambda variables
+
+
+def _top_k(a, x: str, weight: str) -> str:
+    """The TOP_K most extreme values of ``x`` over the rows where ``weight`` > 0,
+    each counted ``weight`` times: sorted, the extreme first (min_by/max_by with
+    k keep a bounded heap, Spark >= 4.2). Rows with a NULL ``x`` do not count."""
+    by = "min_by" if a.func == "min" else "max_by"
+    copies = f"array_repeat({x}, CAST(LEAST({weight}, {TOP_K}) AS INT))"
+    return (
+        f"slice(flatten(COALESCE({by}({copies}, CASE WHEN {weight} > 0 THEN {x} END, {TOP_K}), "
+        f"array())), 1, {TOP_K})"
+    )
+
+
 def _aggregate_input(plan: Plan, rel: str) -> str:
     """Per-group state changes of a weighted relation (a delta or a snapshot)."""
     keys = [f"{PREFIX}k{i}" for i in range(len(plan.keys))]
@@ -90,15 +109,35 @@ def _aggregate_input(plan: Plan, rel: str) -> str:
         x = quote(a.arg)
         if a.func in ("sum", "avg"):
             cols.append(f"SUM({x} * {W}) AS {a.col('sum')}")
-        if a.func in ("sum", "avg", "count"):
+        if a.func in ("sum", "avg", "count", "min", "max"):
             cols.append(f"COALESCE(SUM(CASE WHEN {x} IS NOT NULL THEN {W} ELSE 0 END), 0) AS {a.col('nn')}")
         if a.func in ("min", "max"):
-            f = a.func.upper()
-            cols.append(f"{f}(CASE WHEN {W} > 0 THEN {x} END) AS {a.col('ins')}")
-            # the most extreme value removed: it matters only if it reaches the current extreme
-            cols.append(f"{f}(CASE WHEN {W} < 0 THEN {x} END) AS {a.col('del')}")
+            cols.append(f"{_top_k(a, x, W)} AS {a.col('ins')}")  # the most extreme values added
+            cols.append(f"{_top_k(a, x, '-' + W)} AS {a.col('del')}")  # ... and removed
     group = f" GROUP BY {', '.join(keys)}" if keys else ""
     return f"SELECT {', '.join(keys + cols)} FROM ({rel}) AS {PREFIX}d{group}"
+
+
+def _merged_top(a, t: str, s: str) -> str:
+    """A state row's top-k after a change: ``t.top`` holds the group's k' most
+    extreme values (a prefix of the sorted group; all of it when k' = t.nn).
+    Added values join it only where they cannot skip a value the prefix left out
+    (beyond its last element, unless it held the whole group); removed values
+    leave it one copy each. An empty result for a non-empty group means the
+    prefix ran out: that group is recomputed (see _with_recompute)."""
+    top, ins, dele, nn = (f"{t}.{a.col('top')}", f"{s}.{a.col('ins')}", f"{s}.{a.col('del')}",
+                          f"{t}.{a.col('nn')}")
+    within = "<=" if a.func == "min" else ">="
+    kept = f"filter({ins}, {V} -> size({top}) >= {nn} OR {V} {within} try_element_at({top}, -1))"
+    ordered = f"array_sort(concat({top}, {kept}))"
+    if a.func == "max":
+        ordered = f"reverse({ordered})"
+    at = f"CAST(array_position({ACC}, {D}) AS INT)"
+    remove_one = (
+        f"CASE WHEN {at} > 0 THEN concat(slice({ACC}, 1, {at} - 1), slice({ACC}, {at} + 1, size({ACC}))) "
+        f"ELSE {ACC} END"
+    )
+    return f"slice(aggregate({dele}, {ordered}, ({ACC}, {D}) -> {remove_one}), 1, {TOP_K})"
 
 
 def _new_state(plan: Plan, t: Optional[str], types: dict) -> dict[str, str]:
@@ -112,16 +151,15 @@ def _new_state(plan: Plan, t: Optional[str], types: dict) -> dict[str, str]:
         out[f"{PREFIX}k{i}"] = f"s.{PREFIX}k{i}"
     out[COUNT] = plus(COUNT)
     for a in plan.aggregates:
-        if a.func in ("sum", "avg", "count"):
+        if a.func in ("sum", "avg", "count", "min", "max"):
             out[a.col("nn")] = plus(a.col("nn"))
         if a.func in ("sum", "avg"):
             total = f"COALESCE(t.{a.col('sum')}, 0) + COALESCE(s.{a.col('sum')}, 0)" if t else f"s.{a.col('sum')}"
             out[a.col("sum")] = f"CASE WHEN {out[a.col('nn')]} = 0 THEN NULL ELSE {total} END"
         if a.func in ("min", "max"):
-            pick = "LEAST" if a.func == "min" else "GREATEST"
-            merged = f"{pick}(t.{a.col('v')}, s.{a.col('ins')})" if t else f"s.{a.col('ins')}"
-            out[a.col("v")] = (
-                f"CASE WHEN s.{RC} THEN s.{a.col('rcv')} ELSE {merged} END" if t else merged
+            out[a.col("top")] = (
+                f"CASE WHEN s.{RC} THEN s.{a.col('rcv')} ELSE {_merged_top(a, 't', 's')} END"
+                if t else f"s.{a.col('ins')}"
             )
     visible = {}
     for name, expr in zip(plan.columns, plan.outputs):
@@ -144,7 +182,7 @@ def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, str]) -> str:
         if a.func == "avg":
             nn = state[a.col("nn")]
             return f"CASE WHEN {nn} = 0 THEN NULL ELSE ({state[a.col('sum')]}) / {nn} END"
-        return state[a.col("v")]
+        return f"try_element_at({state[a.col('top')]}, 1)"
 
     def repl(node: exp.Expression) -> exp.Expression:
         for i, key in enumerate(plan.keys):
@@ -192,23 +230,24 @@ def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict) -> Opt
 
 
 def _with_recompute(plan: Plan, source: str, state: str, window: Window) -> str:
-    """MIN/MAX cannot be un-applied. A group needs recomputing only when a removed
-    value reaches its current extreme (a removed 7 cannot change a MIN of 3); those
-    groups are recomputed from the new snapshot, semi-joined on their keys, so a
-    window that removes no extreme reads no snapshot at all (the empty semi-join
-    side short-circuits the scan)."""
+    """MIN/MAX cannot be un-applied. Each group keeps its top-k extreme values, so a
+    removed extreme is replaced from the state; only a group whose top-k runs out
+    (k of its most extreme values removed since it was last filled) is recomputed
+    from the new snapshot, semi-joined on its keys. A window that empties no
+    top-k reads no snapshot at all (the empty semi-join side short-circuits the
+    scan)."""
     keys = plan.key_columns
     minmax = [a for a in plan.aggregates if a.func in ("min", "max")]
     rel = _sql(snapshot(plan.input, window, NEW))
-    reaches = " OR ".join(
-        f"a.{a.col('del')} {'<=' if a.func == 'min' else '>='} t.{a.col('v')}" for a in minmax
+    runs_out = " OR ".join(
+        f"(size({_merged_top(a, 't', 'a')}) = 0 AND t.{a.col('nn')} + a.{a.col('nn')} > 0)" for a in minmax
     )
     key_cols = ", ".join(f"a.{k}" for k in keys)
     need = (
         f"SELECT {key_cols + ', ' if keys else ''}TRUE AS {PREFIX}need FROM {PREFIX}agg AS a "
-        f"JOIN {quote(state)} AS t ON {_nullsafe_on(keys, 'a', 't')} WHERE {reaches}"
+        f"JOIN {quote(state)} AS t ON {_nullsafe_on(keys, 'a', 't')} WHERE {runs_out}"
     )
-    aggs = ", ".join(f"{a.func.upper()}(r.{quote(a.arg)}) AS {a.col('rcv')}" for a in minmax)
+    aggs = ", ".join(f"{_top_k(a, 'r.' + quote(a.arg), 'r.' + W)} AS {a.col('rcv')}" for a in minmax)
     key_list = ", ".join(f"r.{k}" for k in keys)
     hint = "/*+ BROADCAST(f) */ " if window.broadcast else ""
     recompute = (
@@ -216,7 +255,7 @@ def _with_recompute(plan: Plan, source: str, state: str, window: Window) -> str:
         f"LEFT SEMI JOIN {PREFIX}needed AS f ON {_nullsafe_on(keys, 'r', 'f')}"
         + (f" GROUP BY {key_list}" if keys else "")
     )
-    rcv = ", ".join(f"rc.{a.col('rcv')}" for a in minmax)
+    rcv = ", ".join(f"COALESCE(rc.{a.col('rcv')}, array()) AS {a.col('rcv')}" for a in minmax)
     return (
         f"WITH {PREFIX}agg AS ({source}), {PREFIX}needed AS ({need}), {PREFIX}rc AS ({recompute}) "
         f"SELECT a.*, n.{PREFIX}need IS NOT NULL AS {RC}, {rcv} FROM {PREFIX}agg AS a "

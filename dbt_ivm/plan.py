@@ -30,7 +30,7 @@ from dbt_ivm.support import check_support
 
 DIALECT = "spark"
 PREFIX = "__ivm_"
-COMPILER_VERSION = "1"
+COMPILER_VERSION = "2"  # 2: MIN/MAX keep a bounded top-k per group
 
 BAG, DISTINCT, AGGREGATE = "bag", "distinct", "aggregate"
 
@@ -87,8 +87,8 @@ class Aggregate:
             "count": [self.col("nn")],
             "sum": [self.col("sum"), self.col("nn")],
             "avg": [self.col("sum"), self.col("nn")],
-            "min": [self.col("v")],
-            "max": [self.col("v")],
+            "min": [self.col("top"), self.col("nn")],
+            "max": [self.col("top"), self.col("nn")],
         }[self.func]
 
 

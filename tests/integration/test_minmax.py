@@ -1,0 +1,96 @@
+"""MIN/MAX through the bounded top-k state (apply.TOP_K values per group): removed
+extremes are replaced from the state, added values beyond the kept prefix stay
+out of it, and a group whose top-k runs out is recomputed from the sources."""
+
+from __future__ import annotations
+
+import pytest
+
+from dbt_ivm.apply import TOP_K
+from tests.harness import DbtProject, check_model, sql
+
+pytestmark = pytest.mark.spark
+
+SRC, OUT = "mm_src", "mm_out"
+N = 3 * TOP_K  # rows per group: more than the state keeps
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    p = DbtProject(tmp_path_factory.mktemp("minmax"), name="minmax", schema=OUT)
+    sql(f"drop schema if exists {OUT} cascade")
+    sql(f"drop schema if exists {SRC} cascade")
+    sql(f"create schema {SRC}")
+    sql(f"create table {SRC}.t (g string, v int, d double) using delta "
+        "tblproperties (delta.enableChangeDataFeed = true)")
+    # group a: v = 1..N; group b: v = 1..N twice (duplicates); d mirrors v with NULLs
+    sql(f"insert into {SRC}.t select 'a', id, if(id % 5 = 0, null, id / 2.0) from range(1, {N + 1})")
+    sql(f"insert into {SRC}.t select 'b', id % {N} + 1, id from range(0, {2 * N})")
+    p.write("models/sources.yml", f"""
+        version: 2
+        sources:
+          - name: src
+            schema: {SRC}
+            tables: [{{name: t}}]
+    """)
+    p.write("models/mm.sql", "{{ config(materialized='incremental_mv') }}\n"
+            "select g, min(v) as mn, max(v) as mx, min(d) as dmn, max(d) as dmx, count(*) as n "
+            "from {{ source('src', 't') }} group by g")
+    p.write("models/mm_scalar.sql", "{{ config(materialized='incremental_mv') }}\n"
+            "select min(v) as mn, max(v) as mx from {{ source('src', 't') }} where g = 'a'")
+    out = p.dbt("run")
+    assert out.success, out.exception
+    return p
+
+
+def _refresh(project) -> dict:
+    out = project.dbt("run")
+    assert out.success, out.exception
+    for m in ("mm", "mm_scalar"):
+        assert out.code(m) == "INCREMENTAL", out.response(m)
+        assert check_model(f"{OUT}.{m}", out.results[m].node.compiled_code) is None, m
+    return out.response("mm")
+
+
+def _tops() -> dict:
+    return {r[0]: (len(r[1]), r[2]) for r in sql(f"select g, __ivm_a0_top, __ivm_a0_nn from {OUT}.mm__ivm_state")}
+
+
+def test_removed_extremes_come_from_the_state(project):
+    assert _tops()["a"] == (TOP_K, N)
+    sql(f"delete from {SRC}.t where g = 'a' and v in (1, 2, {N}, {N - 1})")  # both ends
+    _refresh(project)
+    assert _tops()["a"] == (TOP_K - 2, N - 4)  # served from the kept prefix
+
+
+def test_added_values_beyond_the_prefix_stay_out(project):
+    # 'a' keeps 3..TOP_K now: a new value above that prefix cannot join it (values
+    # between them are not in the state), a value inside it can, as a second copy;
+    # 'b' (every value twice, prefix full) gets a third 1, and its last kept value drops out
+    sql(f"insert into {SRC}.t values ('a', {TOP_K + 5}, 1.0), ('a', 3, null), ('b', 1, 0.5)")
+    _refresh(project)
+    assert _tops()["a"] == (TOP_K - 1, N - 2)
+    assert _tops()["b"] == (TOP_K, 2 * N + 1)
+
+
+def test_a_group_whose_prefix_runs_out_is_recomputed(project):
+    # remove every value the state keeps for 'a' (and some more): only a recompute
+    # from the source can know the next minimum
+    sql(f"delete from {SRC}.t where g = 'a' and v <= {TOP_K + 3}")
+    sql(f"update {SRC}.t set v = v + 1000 where g = 'b' and v = 1")  # b loses both copies of its min
+    r = _refresh(project)
+    assert _tops()["a"][0] == TOP_K  # refilled
+    assert r["code"] == "INCREMENTAL"
+
+
+def test_groups_empty_and_come_back(project):
+    sql(f"delete from {SRC}.t where g = 'a'")
+    _refresh(project)
+    assert "a" not in _tops()
+    sql(f"insert into {SRC}.t values ('a', 7, null), ('a', 7, null)")
+    _refresh(project)
+    assert _tops()["a"] == (2, 2)
+    sql(f"delete from {SRC}.t where g = 'a'")
+    sql(f"insert into {SRC}.t values ('a', null, null)")  # a group whose MIN is NULL
+    _refresh(project)
+    assert _tops()["a"] == (0, 0)
