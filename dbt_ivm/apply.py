@@ -242,24 +242,24 @@ def _with_recompute(plan: Plan, source: str, state: str, window: Window) -> str:
     runs_out = " OR ".join(
         f"(size({_merged_top(a, 't', 'a')}) = 0 AND t.{a.col('nn')} + a.{a.col('nn')} > 0)" for a in minmax
     )
-    key_cols = ", ".join(f"a.{k}" for k in keys)
-    need = (
-        f"SELECT {key_cols + ', ' if keys else ''}TRUE AS {PREFIX}need FROM {PREFIX}agg AS a "
-        f"JOIN {quote(state)} AS t ON {_nullsafe_on(keys, 'a', 't')} WHERE {runs_out}"
+    # the change per group, with whether it empties the group's top-k (one pass
+    # over the change and one lookup in the state)
+    flagged = (
+        f"SELECT a.*, COALESCE({runs_out}, FALSE) AS {RC} FROM ({source}) AS a "
+        f"LEFT JOIN {quote(state)} AS t ON {_nullsafe_on(keys, 'a', 't')}"
     )
     aggs = ", ".join(f"{_top_k(a, 'r.' + quote(a.arg), 'r.' + W)} AS {a.col('rcv')}" for a in minmax)
     key_list = ", ".join(f"r.{k}" for k in keys)
     hint = "/*+ BROADCAST(f) */ " if window.broadcast else ""
     recompute = (
         f"SELECT {hint}{key_list + ', ' if keys else ''}{aggs} FROM ({rel}) AS r "
-        f"LEFT SEMI JOIN {PREFIX}needed AS f ON {_nullsafe_on(keys, 'r', 'f')}"
+        f"LEFT SEMI JOIN (SELECT * FROM {PREFIX}flagged WHERE {RC}) AS f ON {_nullsafe_on(keys, 'r', 'f')}"
         + (f" GROUP BY {key_list}" if keys else "")
     )
     rcv = ", ".join(f"COALESCE(rc.{a.col('rcv')}, array()) AS {a.col('rcv')}" for a in minmax)
     return (
-        f"WITH {PREFIX}agg AS ({source}), {PREFIX}needed AS ({need}), {PREFIX}rc AS ({recompute}) "
-        f"SELECT a.*, n.{PREFIX}need IS NOT NULL AS {RC}, {rcv} FROM {PREFIX}agg AS a "
-        f"LEFT JOIN {PREFIX}needed AS n ON {_nullsafe_on(keys, 'a', 'n')} "
+        f"WITH {PREFIX}flagged AS ({flagged}), {PREFIX}rc AS ({recompute}) "
+        f"SELECT a.*, {rcv} FROM {PREFIX}flagged AS a "
         f"LEFT JOIN {PREFIX}rc AS rc ON {_nullsafe_on(keys, 'a', 'rc')}"
     )
 

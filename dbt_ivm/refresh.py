@@ -42,6 +42,9 @@ _REBUILD_REASONS = ("FULL_REFRESH", "NO_WATERMARK", "VIEW_MISSING", "PLAN_SIGNAT
 
 
 class Executor(Protocol):
+    """Runs SQL. May also offer ``session_conf(confs, reset=False) -> bool`` to set
+    session confs without SQL (see Refresher._commit)."""
+
     def query(self, sql: str) -> list[tuple]: ...
 
 
@@ -222,8 +225,15 @@ def decide(
 _PROPS_RE = re.compile(r"([^=,\[\]\s][^=,\[\]]*)=([^,\]]*)")
 
 
-def describe_source(ex: Executor, name: str) -> Source:
-    """Columns, format, change-feed flag and current version of one relation."""
+# Commits read with a source's version: enough for the change estimate of most
+# windows without a second read (see Refresher._change_sizes).
+HISTORY_DEPTH = 20
+
+
+def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -> Source:
+    """Columns, format, change-feed flag and current version of one relation;
+    ``histories`` (physical table -> newest DESCRIBE HISTORY rows) is filled in."""
+    histories = {} if histories is None else histories
     rows = ex.query(f"DESCRIBE TABLE EXTENDED {quote(name)}")
     columns: list[tuple[str, str]] = []
     info: dict[str, str] = {}
@@ -242,13 +252,13 @@ def describe_source(ex: Executor, name: str) -> Source:
         state = props.get(PROP_STATE)
         if not state:
             return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
-        version, _ = history_head(ex, state)
+        version, histories[state] = history_head(ex, state, HISTORY_DEPTH)
         mult = apply.COUNT if props.get(PROP_KIND) == BAG else None
         return Source(name=name, columns=tuple(columns), kind=MV, version=version,
                       cdf=True, state_table=state, multiplicity=mult)
     if info.get("provider", "").lower() != "delta":
         return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
-    version, _ = history_head(ex, name)
+    version, histories[name] = history_head(ex, name, HISTORY_DEPTH)
     cdf = props.get("delta.enableChangeDataFeed", "false").lower() == "true"
     return Source(name=name, columns=tuple(columns), kind=DELTA, version=version, cdf=cdf)
 
@@ -399,7 +409,8 @@ class Refresher:
 
     def run(self) -> Result:
         start = time.time()
-        sources = [describe_source(self.ex, n) for n in referenced_tables(self.sql)]
+        self.histories: dict = {}
+        sources = [describe_source(self.ex, n, self.histories) for n in referenced_tables(self.sql)]
         catalog = Catalog({s.name: s for s in sources})
         plan, unsupported = self._plan(catalog)
         sig = signature(self.sql, sources)
@@ -523,7 +534,9 @@ class Refresher:
             if old.get(s.physical) == s.version:
                 continue
             lo, hi = int(old[s.physical]), int(s.version)
-            _, history = history_head(self.ex, s.physical, depth=hi - lo)
+            history = self.histories.get(s.physical) or []
+            if hi - lo > len(history):
+                _, history = history_head(self.ex, s.physical, depth=hi - lo)
             estimate = estimate_changes(history, lo, hi)
             name = s.physical.replace("'", "\\'")
             if estimate is None:
@@ -560,11 +573,15 @@ class Refresher:
             _failpoint("before_commit")
             rows = self.ex.query(merge)
             _failpoint("after_commit")
-        after, _ = history_head(self.ex, self.state)
-        if after == version:
-            result.strategy = NOOP
-            result.reason = Reason("ALREADY_APPLIED", "a concurrent refresh already applied this change")
-        elif rows:
+        # Delta skips a write whose (txnAppId, txnVersion) it has already committed
+        # and returns no metrics row: look at the history only then.
+        if not rows or not any(int(v or 0) for v in rows[0]):
+            after, _ = history_head(self.ex, self.state)
+            if after == version:
+                result.strategy = NOOP
+                result.reason = Reason("ALREADY_APPLIED", "a concurrent refresh already applied this change")
+                return
+        if rows:
             names = ("affected", "updated", "deleted", "inserted")
             result.rows = {n: int(v) for n, v in zip(names, rows[0]) if v is not None}
 
@@ -577,14 +594,20 @@ class Refresher:
             confs["spark.databricks.delta.write.txnAppId"] = f"dbt_ivm:{self.state}"
             confs["spark.databricks.delta.write.txnVersion"] = str(version)
 
+        # An executor may set session confs directly (the embedded session);
+        # otherwise SET / RESET statements.
+        direct = getattr(ex, "session_conf", None)
+
         class _Ctx:
             def __enter__(self_):
-                for k, v in confs.items():
-                    ex.query(f"SET {k}={v}")
+                if direct is None or not direct(confs):
+                    for k, v in confs.items():
+                        ex.query(f"SET {k}={v}")
 
             def __exit__(self_, *exc):
-                for k in confs:
-                    ex.query(f"RESET {k}")
+                if direct is None or not direct(confs, reset=True):
+                    for k in confs:
+                        ex.query(f"RESET {k}")
                 return False
 
         return _Ctx()

@@ -48,6 +48,22 @@ class _Executor:
         return rows
 
 
+    def session_conf(self, confs: dict, reset: bool = False) -> bool:
+        """Set (or reset) session confs directly on the embedded session: no SQL
+        round trip per key. False when the connection is not ours (Thrift, ...):
+        the caller then uses SET / RESET statements."""
+        handle = getattr(self.adapter.connections.get_thread_connection().handle, "handle", None)
+        session = getattr(handle, "session", None)
+        if session is None:
+            return False
+        for key, value in confs.items():
+            if reset:
+                session.conf.unset(key)
+            else:
+                session.conf.set(key, value)
+        return True
+
+
 class SparkIvmAdapter(SparkAdapter):
     ConnectionManager = SparkIvmConnectionManager
 
