@@ -89,11 +89,15 @@ TOP_K = 16
 V, ACC, D = f"{PREFIX}v", f"{PREFIX}acc", f"{PREFIX}del"  # lambda variables
 
 
-def _top_k(a, x: str, weight: str) -> str:
+def _top_k(a, x: str, weight: str, unit: bool = False) -> str:
     """The TOP_K most extreme values of ``x`` over the rows where ``weight`` > 0,
     each counted ``weight`` times: sorted, the extreme first (min_by/max_by with
-    k keep a bounded heap, Spark >= 4.2). Rows with a NULL ``x`` do not count."""
+    k keep a bounded heap, Spark >= 4.2). Rows with a NULL ``x`` do not count.
+    ``unit``: every row has weight 1 (a snapshot of Delta tables), so no
+    per-row copies are needed."""
     by = "min_by" if a.func == "min" else "max_by"
+    if unit:
+        return f"COALESCE({by}({x}, {x}, {TOP_K}), array())"
     copies = f"array_repeat({x}, CAST(LEAST({weight}, {TOP_K}) AS INT))"
     return (
         f"slice(flatten(COALESCE({by}({copies}, CASE WHEN {weight} > 0 THEN {x} END, {TOP_K}), "
@@ -101,8 +105,15 @@ def _top_k(a, x: str, weight: str) -> str:
     )
 
 
-def _aggregate_input(plan: Plan, rel: str) -> str:
-    """Per-group state changes of a weighted relation (a delta or a snapshot)."""
+def _unit_weights(plan: Plan) -> bool:
+    """A snapshot of this plan's input has weight 1 on every row: no source
+    carries a multiplicity (an upstream bag model's count)."""
+    return all(s.multiplicity is None for s in plan.sources)
+
+
+def _aggregate_input(plan: Plan, rel: str, unit: bool = False) -> str:
+    """Per-group state changes of a weighted relation (a delta, or with ``unit``
+    a snapshot whose rows all weigh 1)."""
     keys = [f"{PREFIX}k{i}" for i in range(len(plan.keys))]
     cols = [f"COALESCE(SUM({W}), 0) AS {COUNT}"]
     for a in plan.aggregates:
@@ -112,8 +123,9 @@ def _aggregate_input(plan: Plan, rel: str) -> str:
         if a.func in ("sum", "avg", "count", "min", "max"):
             cols.append(f"COALESCE(SUM(CASE WHEN {x} IS NOT NULL THEN {W} ELSE 0 END), 0) AS {a.col('nn')}")
         if a.func in ("min", "max"):
-            cols.append(f"{_top_k(a, x, W)} AS {a.col('ins')}")  # the most extreme values added
-            cols.append(f"{_top_k(a, x, '-' + W)} AS {a.col('del')}")  # ... and removed
+            cols.append(f"{_top_k(a, x, W, unit)} AS {a.col('ins')}")  # the most extreme values added
+            if not unit:  # a snapshot removes nothing
+                cols.append(f"{_top_k(a, x, '-' + W)} AS {a.col('del')}")  # ... and removed
     group = f" GROUP BY {', '.join(keys)}" if keys else ""
     return f"SELECT {', '.join(keys + cols)} FROM ({rel}) AS {PREFIX}d{group}"
 
@@ -199,7 +211,7 @@ def _aggregate_state(plan: Plan, window: Window, types: dict) -> str:
     rel = _sql(snapshot(plan.input, window, NEW))
     cols = _new_state(plan, None, types)
     select = ", ".join(f"{v} AS {quote(k)}" for k, v in cols.items())
-    return f"SELECT {select} FROM ({_aggregate_input(plan, rel)}) AS s"
+    return f"SELECT {select} FROM ({_aggregate_input(plan, rel, _unit_weights(plan))}) AS s"
 
 
 def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict) -> Optional[str]:
@@ -248,7 +260,8 @@ def _with_recompute(plan: Plan, source: str, state: str, window: Window) -> str:
         f"SELECT a.*, COALESCE({runs_out}, FALSE) AS {RC} FROM ({source}) AS a "
         f"LEFT JOIN {quote(state)} AS t ON {_nullsafe_on(keys, 'a', 't')}"
     )
-    aggs = ", ".join(f"{_top_k(a, 'r.' + quote(a.arg), 'r.' + W)} AS {a.col('rcv')}" for a in minmax)
+    unit = _unit_weights(plan)
+    aggs = ", ".join(f"{_top_k(a, 'r.' + quote(a.arg), 'r.' + W, unit)} AS {a.col('rcv')}" for a in minmax)
     key_list = ", ".join(f"r.{k}" for k in keys)
     hint = "/*+ BROADCAST(f) */ " if window.broadcast else ""
     recompute = (
