@@ -126,6 +126,10 @@ def _aggregate_input(plan: Plan, rel: str, unit: bool = False) -> str:
             cols.append(f"{_top_k(a, x, W, unit)} AS {a.col('ins')}")  # the most extreme values added
             if not unit:  # a snapshot removes nothing
                 cols.append(f"{_top_k(a, x, '-' + W)} AS {a.col('del')}")  # ... and removed
+                cols.append(  # how many non-null values were removed
+                    f"COALESCE(SUM(CASE WHEN {x} IS NOT NULL AND {W} < 0 THEN -{W} ELSE 0 END), 0) "
+                    f"AS {a.col('rm')}"
+                )
     group = f" GROUP BY {', '.join(keys)}" if keys else ""
     return f"SELECT {', '.join(keys + cols)} FROM ({rel}) AS {PREFIX}d{group}"
 
@@ -136,7 +140,9 @@ def _merged_top(a, t: str, s: str) -> str:
     Added values join it only where they cannot skip a value the prefix left out
     (beyond its last element, unless it held the whole group); removed values
     leave it one copy each. An empty result for a non-empty group means the
-    prefix ran out: that group is recomputed (see _with_recompute)."""
+    prefix ran out: that group is recomputed (see _with_recompute). A group
+    whose every old value was removed (all its rows updated, say) is made of the
+    added values alone: their top-k is exact, no recompute needed."""
     top, ins, dele, nn = (f"{t}.{a.col('top')}", f"{s}.{a.col('ins')}", f"{s}.{a.col('del')}",
                           f"{t}.{a.col('nn')}")
     within = "<=" if a.func == "min" else ">="
@@ -149,7 +155,8 @@ def _merged_top(a, t: str, s: str) -> str:
         f"CASE WHEN {at} > 0 THEN concat(slice({ACC}, 1, {at} - 1), slice({ACC}, {at} + 1, size({ACC}))) "
         f"ELSE {ACC} END"
     )
-    return f"slice(aggregate({dele}, {ordered}, ({ACC}, {D}) -> {remove_one}), 1, {TOP_K})"
+    merged = f"slice(aggregate({dele}, {ordered}, ({ACC}, {D}) -> {remove_one}), 1, {TOP_K})"
+    return f"CASE WHEN {s}.{a.col('rm')} >= {nn} THEN {ins} ELSE {merged} END"
 
 
 def _new_state(plan: Plan, t: Optional[str], types: dict) -> dict[str, str]:

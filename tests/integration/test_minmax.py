@@ -94,3 +94,16 @@ def test_groups_empty_and_come_back(project):
     sql(f"insert into {SRC}.t values ('a', null, null)")  # a group whose MIN is NULL
     _refresh(project)
     assert _tops()["a"] == (0, 0)
+
+
+def test_a_group_whose_every_row_changes(project):
+    # every value of 'c' is replaced in one window: the new top-k is the added
+    # values' own (the old prefix cannot say anything about them)
+    sql(f"insert into {SRC}.t select 'c', id * 3, id from range(0, {N})")
+    _refresh(project)
+    sql(f"update {SRC}.t set v = v + 1 where g = 'c'")
+    _refresh(project)
+    assert _tops()["c"] == (TOP_K, N)
+    sql(f"update {SRC}.t set v = v + 100 where g = 'c' and v < 30")  # a part of it, past the prefix
+    _refresh(project)
+    assert _tops()["c"][1] == N
