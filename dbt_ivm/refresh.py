@@ -28,6 +28,7 @@ from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, build_plan, referenced_ta
 
 CREATE, NOOP, INCREMENTAL, PARTITION, FULL = "CREATE", "NOOP", "INCREMENTAL", "PARTITION", "FULL"
 POLICIES = ("auto", "incremental", "partition", "full")
+CHANGE_FEED = ("auto", "true", "false")
 # Changes up to this many rows are broadcast into joins (see delta.Window.broadcast).
 BROADCAST_ROWS = 500_000
 STATE_SUFFIX = "__ivm_state"
@@ -65,7 +66,9 @@ class Watermark:
     sources: list  # [{name, kind, physical, multiplicity, columns, version}]
     strategy: str = ""
     reason: str = ""
-    state_version: Optional[int] = None  # filled in when read back
+    change_feed: Optional[bool] = None  # the state table's own change feed (None: written before it was recorded, on)
+    state_version: Optional[int] = None  # filled in when read back: the state table's current version
+    commit_version: Optional[int] = None  # ... and the version of the commit that holds this watermark
 
     def versions(self) -> dict:
         return {s["physical"]: s["version"] for s in self.sources if s["version"] is not None}
@@ -81,7 +84,7 @@ class Watermark:
         ]
 
     def to_json(self) -> str:
-        body = {k: v for k, v in asdict(self).items() if k != "state_version"}
+        body = {k: v for k, v in asdict(self).items() if k not in ("state_version", "commit_version")}
         return json.dumps({"dbt_ivm": WATERMARK_FORMAT, **body}, separators=(",", ":"))
 
     @classmethod
@@ -142,7 +145,18 @@ def validate_config(config: dict) -> dict:
             "Expected a number in (0, 1]: the fraction of a source's rows that may change "
             "before ivm_policy='auto' rebuilds instead of refreshing incrementally."
         )
-    return {"ivm_policy": policy, "ivm_full_threshold": threshold}
+    feed = str(config.get("ivm_change_feed", "auto")).lower()
+    if feed not in CHANGE_FEED:
+        raise IvmConfigError(
+            f"Invalid ivm_change_feed provided: {config.get('ivm_change_feed')!r}. "
+            "Expected one of: auto (on when an incremental_mv of this project reads this model), "
+            "true, false."
+        )
+    return {
+        "ivm_policy": policy, "ivm_full_threshold": threshold, "ivm_change_feed": feed,
+        # set by the materialization from the dbt graph, not by users
+        "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
+    }
 
 
 # Changes up to this many rows are always applied incrementally (see too_large).
@@ -357,7 +371,7 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
         for row in rows:
             wm = Watermark.from_json(row[13] if len(row) > 13 else None)
             if wm is not None:
-                wm.state_version = current
+                wm.state_version, wm.commit_version = current, int(row[0])
                 return current, wm
         if limit and len(rows) < 20:
             break
@@ -386,7 +400,8 @@ _MISSING_HISTORY = re.compile(
 def _cdf_unavailable(e: BaseException) -> Reason:
     return Reason(
         "CDF_UNAVAILABLE", f"the change data feed does not cover the window: {str(e)[:200]}",
-        "keep delta.enableChangeDataFeed on and refresh more often than the feed's retention")
+        "keep delta.enableChangeDataFeed on and refresh more often than the feed's retention "
+        "(for an incremental_mv read by a model outside this dbt project, set ivm_change_feed: true on it)")
 
 
 def _failpoint(name: str) -> None:
@@ -394,6 +409,14 @@ def _failpoint(name: str) -> None:
     (SIGKILL, no cleanup), as a power cut would. Used by the exactly-once tests."""
     if os.environ.get("DBT_IVM_FAILPOINT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# Per-group top-k state (min_by/max_by with k, see apply._top_k) is an object
+# aggregate; Spark falls back from hashing to sorting every input row once a task
+# holds 128 groups, which made building a MIN/MAX state 2-4x dearer than the plain
+# aggregate. 2^17 groups of ~4 KB stay well inside the default 4g heap per task;
+# beyond them Spark still sorts (correct, slower).
+_AGG_CONFS = {"spark.sql.objectHashAggregate.sortBased.fallbackThreshold": str(1 << 17)}
 
 
 class Refresher:
@@ -406,6 +429,10 @@ class Refresher:
         self.state = state_name(self.relation)
         self.config = validate_config(config)
         self.full_refresh = full_refresh
+        # The state's own change feed costs every write ~30 %; it is kept only for
+        # readers of it: incremental_mv models built on this one.
+        feed = self.config["ivm_change_feed"]
+        self.change_feed = feed == "true" or (feed == "auto" and self.config["ivm_mv_dependents"])
 
     def run(self) -> Result:
         start = time.time()
@@ -416,7 +443,7 @@ class Refresher:
         sig = signature(self.sql, sources)
         present = relations_present(self.ex, [self.state, self.relation])
         state_exists = self.state in present
-        version, watermark = read_watermark(self.ex, self.state) if state_exists else (None, None)
+        _, watermark = read_watermark(self.ex, self.state) if state_exists else (None, None)
         decision = decide(
             policy=self.config["ivm_policy"], full_refresh=self.full_refresh,
             state_exists=state_exists, view_exists=self.relation in present,
@@ -453,7 +480,7 @@ class Refresher:
         if decision.strategy == INCREMENTAL:
             small = sum(result.sizes.values()) <= BROADCAST_ROWS
             try:
-                self._incremental(plan, sources, watermark, version, result, small)
+                self._incremental(plan, sources, watermark, result, small)
             except Exception as e:
                 # The window's change files or old snapshot are gone (VACUUM, log
                 # cleanup): nothing was written; rebuild instead, unless told not to.
@@ -462,7 +489,7 @@ class Refresher:
                 decision = Decision(FULL, _cdf_unavailable(e))
                 result.strategy, result.reason = decision.strategy, decision.reason
         if decision.strategy in (CREATE, FULL):
-            self._rebuild(plan, sources, sig, decision, state_exists, version)
+            self._rebuild(plan, sources, sig, decision, state_exists, watermark)
         result.seconds = time.time() - start
         return result
 
@@ -483,9 +510,10 @@ class Refresher:
                 for s in sources
             ],
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
+            change_feed=self.change_feed,
         )
 
-    def _rebuild(self, plan, sources, sig, decision, state_exists, version) -> None:
+    def _rebuild(self, plan, sources, sig, decision, state_exists, old: Optional[Watermark]) -> None:
         pinned = apply.pinned_query(self.sql, sources, {s.physical: s.version for s in sources})
         types = {r[0].lower(): r[1] for r in self.ex.query(f"DESCRIBE QUERY {pinned}")}
         if plan is not None:
@@ -500,19 +528,32 @@ class Refresher:
         same = state_exists and self._state_schema() == new_schema
         if state_exists and not same:
             self.ex.query(f"DROP TABLE {quote(self.state)}")
-        with self._commit(wm, version if same else None):
+        if same:
+            self._set_change_feed(old)
+        with self._commit(wm, old.commit_version if same and old else None, _AGG_CONFS):
             if same:
                 self.ex.query(f"INSERT OVERWRITE {quote(self.state)} {body}")
             else:
+                feed = "true" if self.change_feed else "false"
                 self.ex.query(
                     f"CREATE TABLE {quote(self.state)} USING delta "
-                    f"TBLPROPERTIES ('delta.enableChangeDataFeed' = 'true') AS {body}"
+                    f"TBLPROPERTIES ('delta.enableChangeDataFeed' = '{feed}') AS {body}"
                 )
         self.ex.query(
             f"CREATE OR REPLACE VIEW {quote(self.relation)} "
             f"TBLPROPERTIES ('{PROP_STATE}' = '{self.state}', '{PROP_KIND}' = '{kind}') "
             f"AS {apply.view_query(kind, columns, self.state)}"
         )
+
+    def _set_change_feed(self, old: Optional[Watermark]) -> None:
+        """Switch the state table's change feed on or off when the wanted setting
+        differs from what the last watermark recorded (a metadata-only commit, made
+        before the refresh's one write; harmless when repeated)."""
+        had = True if old is None or old.change_feed is None else old.change_feed
+        if old is not None and had == self.change_feed:
+            return
+        feed = "true" if self.change_feed else "false"
+        self.ex.query(f"ALTER TABLE {quote(self.state)} SET TBLPROPERTIES ('delta.enableChangeDataFeed' = '{feed}')")
 
     def _state_schema(self) -> list[tuple[str, str]]:
         out = []
@@ -558,7 +599,7 @@ class Refresher:
                 sizes[n][1] = int(value)
         return {n: (c, t) for n, (c, t, _) in sizes.items()}
 
-    def _incremental(self, plan: Plan, sources, watermark: Watermark, version, result: Result,
+    def _incremental(self, plan: Plan, sources, watermark: Watermark, result: Result,
                      broadcast: bool) -> None:
         old = watermark.versions()
         window = Window(old=old, new={s.physical: s.version for s in sources}, broadcast=broadcast)
@@ -567,17 +608,20 @@ class Refresher:
         wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns)
         if merge is None:
             return
+        self._set_change_feed(watermark)
         # Our MERGE source is small but expensive (deltas joined with snapshots):
         # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
-        with self._commit(wm, version, {"spark.databricks.delta.merge.materializeSource": "all"}):
+        with self._commit(wm, watermark.commit_version,
+                          {**_AGG_CONFS, "spark.databricks.delta.merge.materializeSource": "all"}):
             _failpoint("before_commit")
             rows = self.ex.query(merge)
             _failpoint("after_commit")
         # Delta skips a write whose (txnAppId, txnVersion) it has already committed
         # and returns no metrics row: look at the history only then.
         if not rows or not any(int(v or 0) for v in rows[0]):
-            after, _ = history_head(self.ex, self.state)
-            if after == version:
+            mine = wm.to_json()
+            recent = self.ex.query(f"DESCRIBE HISTORY {quote(self.state)} LIMIT 5")
+            if not any(len(r) > 13 and r[13] == mine for r in recent):
                 result.strategy = NOOP
                 result.reason = Reason("ALREADY_APPLIED", "a concurrent refresh already applied this change")
                 return
@@ -587,7 +631,11 @@ class Refresher:
 
     def _commit(self, wm: Watermark, version: Optional[int], extra: Optional[dict] = None):
         """Session confs around the one write: the watermark rides in the commit
-        (userMetadata) and (app, version) makes the write idempotent."""
+        (userMetadata) and (app, version) makes the write idempotent. ``version`` is
+        the version of the commit holding the watermark the write starts from (not
+        the table's current version, which other commits — OPTIMIZE, a change-feed
+        switch — move): two refreshes from the same watermark carry the same txn
+        version, and Delta skips the second."""
         ex = self.ex
         confs = {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json(), **(extra or {})}
         if version is not None:

@@ -7,9 +7,18 @@
 {% materialization incremental_mv, adapter='spark_ivm' %}
 
   {#-- Validate config first: nothing runs on a bad config --#}
+  {#-- Models of this project that are incremental_mvs reading this one (they read its change feed) --#}
+  {%- set mv_dependents = [] -%}
+  {%- for node in graph.nodes.values() -%}
+    {%- if node.config.materialized == 'incremental_mv' and model.unique_id in node.depends_on.nodes -%}
+      {%- do mv_dependents.append(node.unique_id) -%}
+    {%- endif -%}
+  {%- endfor -%}
   {%- set ivm_config = adapter.ivm_validate_config({
         'ivm_policy': config.get('ivm_policy', 'auto'),
         'ivm_full_threshold': config.get('ivm_full_threshold'),
+        'ivm_change_feed': config.get('ivm_change_feed', 'auto'),
+        'ivm_mv_dependents': mv_dependents | length > 0,
       }) -%}
   {%- set target_relation = this.incorporate(type='view') -%}
   {%- set existing_relation = load_cached_relation(this) -%}

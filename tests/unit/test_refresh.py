@@ -133,3 +133,22 @@ def test_small_changes_need_no_row_count():
     from dbt_ivm.refresh import too_large
 
     assert too_large({"db.a": (900, None)}, 0.5) is None
+
+
+@pytest.mark.parametrize("value,norm", [(None, "auto"), ("auto", "auto"), (True, "true"), ("false", "false"),
+                                        (False, "false")])
+def test_change_feed_values(value, norm):
+    config = {} if value is None else {"ivm_change_feed": value}
+    assert validate_config(config)["ivm_change_feed"] == norm
+
+
+def test_invalid_change_feed_names_the_valid_values():
+    with pytest.raises(IvmConfigError, match=r"Invalid ivm_change_feed provided: 'maybe'.*auto.*true, false"):
+        validate_config({"ivm_change_feed": "maybe"})
+
+
+def test_watermark_keeps_change_feed_but_not_read_back_positions():
+    w = wm()
+    w.change_feed, w.state_version, w.commit_version = False, 9, 7
+    back = Watermark.from_json(w.to_json())
+    assert back.change_feed is False and back.state_version is None and back.commit_version is None
