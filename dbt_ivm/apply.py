@@ -221,20 +221,61 @@ def _aggregate_state(plan: Plan, window: Window, types: dict) -> str:
     return f"SELECT {select} FROM ({_aggregate_input(plan, rel, _unit_weights(plan))}) AS s"
 
 
-def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict) -> Optional[str]:
+def _aggregate_change(plan: Plan, window: Window) -> Optional[str]:
+    """Per-group state changes of the window (None: no source of the plan changed)."""
     d = delta(plan.input, window)
     if d is None:
         return None
-    keys = plan.key_columns
-    inputs = keys + [a.arg for a in plan.aggregates if a.func != "count_star"] or [f"{PREFIX}one"]
+    inputs = plan.key_columns + [a.arg for a in plan.aggregates if a.func != "count_star"] or [f"{PREFIX}one"]
     names = ", ".join(quote(c) for c in inputs)
     consolidated = (
         f"SELECT {names}, SUM({W}) AS {W} FROM ({_sql(d)}) AS {PREFIX}d0 "
         f"GROUP BY {names} HAVING SUM({W}) <> 0"
     )
-    source = _aggregate_input(plan, consolidated)
-    if plan.has_minmax:
+    return _aggregate_input(plan, consolidated)
+
+
+def _minmax(plan: Plan) -> list:
+    return [a for a in plan.aggregates if a.func in ("min", "max")]
+
+
+def _runs_out(plan: Plan, t: str, a: str) -> str:
+    """True for a group (state row ``t``, change row ``a``) whose kept top-k of some
+    MIN/MAX runs out while the group still has values: it needs a recompute."""
+    return " OR ".join(
+        f"(size({_merged_top(m, t, a)}) = 0 AND {t}.{m.col('nn')} + {a}.{m.col('nn')} > 0)" for m in _minmax(plan)
+    )
+
+
+def recompute_probe(plan: Plan, state: str, window: Window) -> Optional[str]:
+    """A read-only count of the groups whose MIN/MAX top-k the window empties
+    (None: no MIN/MAX, or nothing changed). Only groups that lost values can run
+    out, and they are few: they are broadcast into one scan of the state. When
+    the count is 0 — nearly always — the MERGE needs no recompute at all."""
+    if not plan.has_minmax:
+        return None
+    change = _aggregate_change(plan, window)
+    if change is None:
+        return None
+    lost = " OR ".join(f"{m.col('rm')} > 0" for m in _minmax(plan))
+    return (
+        f"SELECT /*+ BROADCAST(a) */ count(*) FROM {quote(state)} AS t "
+        f"JOIN (SELECT * FROM ({change}) AS {PREFIX}c WHERE {lost}) AS a "
+        f"ON {_nullsafe_on(plan.key_columns, 't', 'a')} WHERE {_runs_out(plan, 't', 'a')}"
+    )
+
+
+def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recompute: bool) -> Optional[str]:
+    source = _aggregate_change(plan, window)
+    if source is None:
+        return None
+    keys = plan.key_columns
+    if plan.has_minmax and recompute:
         source = _with_recompute(plan, source, state, window)
+    elif plan.has_minmax:  # no group runs out (recompute_probe said so)
+        # the recompute columns are never read (the flag is false): any array of the right type
+        none = ", ".join(f"{m.col('ins')} AS {m.col('rcv')}" for m in _minmax(plan))
+        source = f"SELECT {PREFIX}n.*, FALSE AS {RC}, {none} FROM ({source}) AS {PREFIX}n"
     new_t, new_s = _new_state(plan, "t", types), _new_state(plan, None, types)
     sets = ", ".join(f"{quote(k)} = {v}" for k, v in new_t.items() if k not in keys)
     insert_cols = ", ".join(quote(k) for k in new_s)
@@ -256,11 +297,9 @@ def _with_recompute(plan: Plan, source: str, state: str, window: Window) -> str:
     top-k reads no snapshot at all (the empty semi-join side short-circuits the
     scan)."""
     keys = plan.key_columns
-    minmax = [a for a in plan.aggregates if a.func in ("min", "max")]
+    minmax = _minmax(plan)
     rel = _sql(snapshot(plan.input, window, NEW))
-    runs_out = " OR ".join(
-        f"(size({_merged_top(a, 't', 'a')}) = 0 AND t.{a.col('nn')} + a.{a.col('nn')} > 0)" for a in minmax
-    )
+    runs_out = _runs_out(plan, "t", "a")
     # the change per group, with whether it empties the group's top-k (one pass
     # over the change and one lookup in the state)
     flagged = (
@@ -294,11 +333,13 @@ def state_query(plan: Plan, window: Window, types: dict) -> str:
     return _bag_state(plan, window)
 
 
-def merge_statement(plan: Plan, state: str, window: Window, types: dict) -> Optional[str]:
+def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompute: bool = True) -> Optional[str]:
     """The one MERGE applying the window's changes to the state; None if no
-    source the plan reads changed."""
+    source the plan reads changed. ``recompute=False``: no MIN/MAX group runs
+    out of its top-k in this window (see recompute_probe), so no source snapshot
+    is read."""
     if plan.kind == AGGREGATE:
-        return _aggregate_merge(plan, state, window, types)
+        return _aggregate_merge(plan, state, window, types, recompute)
     return _bag_merge(plan, state, window)
 
 

@@ -604,7 +604,11 @@ class Refresher:
         old = watermark.versions()
         window = Window(old=old, new={s.physical: s.version for s in sources}, broadcast=broadcast)
         result.changed_sources = [s.name for s in sources if window.changed(s)]
-        merge = apply.merge_statement(plan, self.state, window, watermark.columns)
+        # MIN/MAX: first a cheap read-only count of the groups whose kept top-k
+        # this window empties; only if there are any does the MERGE read snapshots.
+        probe = apply.recompute_probe(plan, self.state, window)
+        recompute = int(self.ex.query(probe)[0][0]) if probe else 0
+        merge = apply.merge_statement(plan, self.state, window, watermark.columns, recompute > 0)
         wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns)
         if merge is None:
             return
@@ -628,6 +632,8 @@ class Refresher:
         if rows:
             names = ("affected", "updated", "deleted", "inserted")
             result.rows = {n: int(v) for n, v in zip(names, rows[0]) if v is not None}
+        if recompute:
+            result.rows["recomputed_groups"] = recompute
 
     def _commit(self, wm: Watermark, version: Optional[int], extra: Optional[dict] = None):
         """Session confs around the one write: the watermark rides in the commit

@@ -59,8 +59,9 @@ def _tops() -> dict:
 def test_removed_extremes_come_from_the_state(project):
     assert _tops()["a"] == (TOP_K, N)
     sql(f"delete from {SRC}.t where g = 'a' and v in (1, 2, {N}, {N - 1})")  # both ends
-    _refresh(project)
+    r = _refresh(project)
     assert _tops()["a"] == (TOP_K - 2, N - 4)  # served from the kept prefix
+    assert "recomputed_groups" not in (r.get("rows") or {}), r
 
 
 def test_added_values_beyond_the_prefix_stay_out(project):
@@ -81,6 +82,7 @@ def test_a_group_whose_prefix_runs_out_is_recomputed(project):
     r = _refresh(project)
     assert _tops()["a"][0] == TOP_K  # refilled
     assert r["code"] == "INCREMENTAL"
+    assert r["rows"]["recomputed_groups"] == 1, r  # only 'a': 'b' keeps values of its min and max
 
 
 def test_groups_empty_and_come_back(project):
