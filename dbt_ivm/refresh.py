@@ -315,10 +315,22 @@ def estimate_changes(history: list[tuple], old: int, new: int) -> Optional[int]:
     >>> estimate_changes(h, 0, 3) is None  # version 1 is not in the rows
     True
     """
+    return window_estimate(history, old, new)[0]
+
+
+def window_estimate(history: list[tuple], old: int, new: int) -> tuple[Optional[int], Optional[int]]:
+    """(changed rows, net rows added) of versions (old, new], each None when the
+    commits' metrics do not say (see estimate_changes).
+
+    >>> h = [(3, None, None, None, "DELETE", {}, None, None, None, 2, None, False, {"numDeletedRows": "2"}),
+    ...      (2, None, None, None, "UPDATE", {}, None, None, None, 1, None, False, {"numUpdatedRows": "4"})]
+    >>> window_estimate(h, 1, 3)
+    (6, -2)
+    """
     window = [r for r in history if old < int(r[0]) <= new]
     if len(window) != new - old:
-        return None
-    total = 0
+        return None, None
+    changed, net = 0, 0
     for row in window:
         op = str(row[4] or "").upper()
         params, metrics = _as_map(row[5]), _as_map(row[12] if len(row) > 12 else None)
@@ -331,24 +343,28 @@ def estimate_changes(history: list[tuple], old: int, new: int) -> Optional[int]:
 
         if op in _NO_ROW_CHANGE_OPS:
             if "changedatafeed" in json.dumps(params).lower():
-                return None  # the feed was switched on (or off) inside the window
-            n = 0
+                return None, None  # the feed was switched on (or off) inside the window
+            n, d = 0, 0
         elif op in ("WRITE", "STREAMING UPDATE") and str(params.get("mode", "")).strip('"') == "Append":
-            n = metric("numOutputRows")
+            n = d = metric("numOutputRows")
         elif op in ("CREATE TABLE AS SELECT",):
-            n = metric("numOutputRows")
+            n = d = metric("numOutputRows")
         elif op == "DELETE":
             n = metric("numDeletedRows")
+            d = None if n is None else -n
         elif op == "UPDATE":
-            n = metric("numUpdatedRows")
+            n, d = metric("numUpdatedRows"), 0
         elif op == "MERGE":
             n = metric("numTargetRowsInserted", "numTargetRowsUpdated", "numTargetRowsDeleted")
+            ins, dele = metric("numTargetRowsInserted"), metric("numTargetRowsDeleted")
+            d = None if ins is None or dele is None else ins - dele
         else:
-            n = None
+            n = d = None
         if n is None:
-            return None
-        total += n
-    return total
+            return None, None
+        changed += n
+        net = None if net is None or d is None else net + d
+    return changed, net
 
 
 def history_head(ex: Executor, table: str, depth: int = 1) -> tuple[Optional[int], list[tuple]]:
@@ -444,6 +460,8 @@ class Refresher:
         present = relations_present(self.ex, [self.state, self.relation])
         state_exists = self.state in present
         _, watermark = read_watermark(self.ex, self.state) if state_exists else (None, None)
+        # Row counts the watermark recorded (see _change_sizes); carried forward.
+        self.source_rows = {s["physical"]: s.get("rows") for s in (watermark.sources if watermark else [])}
         decision = decide(
             policy=self.config["ivm_policy"], full_refresh=self.full_refresh,
             state_exists=state_exists, view_exists=self.relation in present,
@@ -506,7 +524,8 @@ class Refresher:
             signature=sig, kind=plan.kind if plan else BAG, sql=self.sql, columns=types,
             sources=[
                 {"name": s.name, "kind": s.kind, "physical": s.physical, "multiplicity": s.multiplicity,
-                 "columns": [list(c) for c in s.columns], "version": s.version}
+                 "columns": [list(c) for c in s.columns], "version": s.version,
+                 "rows": self.source_rows.get(s.physical) if decision.strategy == INCREMENTAL else None}
                 for s in sources
             ],
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
@@ -566,11 +585,14 @@ class Refresher:
     def _change_sizes(self, sources, watermark: Watermark) -> dict:
         """(changed rows, rows now) of each changed source. The changed rows come
         from the window's commit metrics (metadata, no Spark job); only where those
-        do not say is the change feed counted. Rows now are counted (from Delta's
-        file statistics) only for changes big enough for the cost rule."""
+        do not say is the change feed counted. Rows now matter only for changes big
+        enough for the cost rule: the count the watermark recorded plus the
+        window's net rows from the same metrics, else counted (from Delta's file
+        statistics) and recorded for the next refresh (``self.source_rows``)."""
         old = watermark.versions()
         sizes: dict = {}
         counts: dict = {}  # source name -> SQL of a scalar count
+        derived: dict = {}  # source name -> rows now, from the recorded count and the metrics
         for s in sources:
             if old.get(s.physical) == s.version:
                 continue
@@ -578,7 +600,10 @@ class Refresher:
             history = self.histories.get(s.physical) or []
             if hi - lo > len(history):
                 _, history = history_head(self.ex, s.physical, depth=hi - lo)
-            estimate = estimate_changes(history, lo, hi)
+            estimate, net = window_estimate(history, lo, hi)
+            before = self.source_rows.get(s.physical)
+            derived[s.name] = before + net if before is not None and net is not None else None
+            self.source_rows[s.physical] = derived[s.name]
             name = s.physical.replace("'", "\\'")
             if estimate is None:
                 counts[s.name] = (
@@ -591,12 +616,17 @@ class Refresher:
             for n, value in zip(counts, row):
                 sizes[n][0] = int(value)
         big = {n: v for n, v in sizes.items() if v[0] > SMALL_CHANGE}
+        for n in list(big):
+            if derived.get(n) is not None:
+                sizes[n][1] = derived[n]
+                del big[n]
         if big:
             row = self.ex.query("SELECT " + ", ".join(
                 f"(SELECT count(*) FROM {quote(v[2].physical)} VERSION AS OF {int(v[2].version)})"
                 for v in big.values()))[0]
             for n, value in zip(big, row):
                 sizes[n][1] = int(value)
+                self.source_rows[big[n][2].physical] = int(value)
         return {n: (c, t) for n, (c, t, _) in sizes.items()}
 
     def _incremental(self, plan: Plan, sources, watermark: Watermark, result: Result,

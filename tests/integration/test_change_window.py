@@ -87,6 +87,30 @@ def test_a_change_of_most_rows_rebuilds(project):
     assert (r["code"], r["reason"]) == ("FULL", "CHANGE_TOO_LARGE"), r
     sql(f"insert into {SRC}.big values (1, 1)")
     assert _run(project, "agg_big")["code"] == "INCREMENTAL"
+    # big but not too big: the row count is read once, recorded in the watermark,
+    # and from then on carried forward with the commits' net rows
+    count = lambda: sql(f"select count(*) from {SRC}.big")[0][0]  # noqa: E731
+    sql(f"insert into {SRC}.big select id % 10, id from range(0, 1001)")  # 1001 of 2002 rows
+    assert _run(project, "agg_big")["code"] == "INCREMENTAL"
+    assert _recorded_rows("agg_big") == count() == 2002
+    sql(f"insert into {SRC}.big select id % 10, id from range(0, 1200)")
+    sql(f"delete from {SRC}.big where v = 1")
+    assert _run(project, "agg_big")["code"] == "INCREMENTAL"
+    assert _recorded_rows("agg_big") == count()
+    sql(f"delete from {SRC}.big where v >= 100")  # most rows: judged on the carried count
+    r = _run(project, "agg_big")
+    assert (r["code"], r["reason"]) == ("FULL", "CHANGE_TOO_LARGE"), r
+
+
+def _recorded_rows(model: str):
+    from dbt_ivm.refresh import read_watermark
+
+    class _Ex:
+        def query(self, statement):
+            return [tuple(r) for r in sql(statement)]
+
+    _, wm = read_watermark(_Ex(), f"{OUT}.{model}__ivm_state")
+    return wm.sources[0]["rows"]
 
 
 def test_feed_switched_off_inside_the_window_rebuilds(project):

@@ -152,3 +152,21 @@ def test_watermark_keeps_change_feed_but_not_read_back_positions():
     w.change_feed, w.state_version, w.commit_version = False, 9, 7
     back = Watermark.from_json(w.to_json())
     assert back.change_feed is False and back.state_version is None and back.commit_version is None
+
+
+def test_window_estimate_gives_net_rows_for_the_cost_rule():
+    from dbt_ivm.refresh import window_estimate
+
+    h = [
+        _commit(4, "MERGE", {}, {"numTargetRowsInserted": "3", "numTargetRowsUpdated": "2",
+                                 "numTargetRowsDeleted": "1"}),
+        _commit(3, "OPTIMIZE", {}, {}),
+        _commit(2, "WRITE", {"mode": "Append"}, {"numOutputRows": "10"}),
+    ]
+    assert window_estimate(h, 1, 4) == (16, 12)
+    # an overwrite says nothing about either
+    h2 = [_commit(2, "WRITE", {"mode": "Overwrite"}, {"numOutputRows": "10"})]
+    assert window_estimate(h2, 1, 2) == (None, None)
+    # a MERGE without the per-kind metrics: changed rows unknown
+    h3 = [_commit(2, "MERGE", {}, {"numTargetRowsUpdated": "2"})]
+    assert window_estimate(h3, 1, 2) == (None, None)
