@@ -250,7 +250,7 @@ def _runs_out(plan: Plan, t: str, a: str) -> str:
 def recompute_probe(plan: Plan, state: str, window: Window) -> Optional[str]:
     """A read-only count of the groups whose MIN/MAX top-k the window empties
     (None: no MIN/MAX, or nothing changed). Only groups that lost values can run
-    out, and they are few: they are broadcast into one scan of the state. When
+    out, and they are few: in a small window they are broadcast into one scan of the state. When
     the count is 0 — nearly always — the MERGE needs no recompute at all."""
     if not plan.has_minmax:
         return None
@@ -258,8 +258,9 @@ def recompute_probe(plan: Plan, state: str, window: Window) -> Optional[str]:
     if change is None:
         return None
     lost = " OR ".join(f"{m.col('rm')} > 0" for m in _minmax(plan))
+    hint = "/*+ BROADCAST(a) */ " if window.broadcast else ""
     return (
-        f"SELECT /*+ BROADCAST(a) */ count(*) FROM {quote(state)} AS t "
+        f"SELECT {hint}count(*) FROM {quote(state)} AS t "
         f"JOIN (SELECT * FROM ({change}) AS {PREFIX}c WHERE {lost}) AS a "
         f"ON {_nullsafe_on(plan.key_columns, 't', 'a')} WHERE {_runs_out(plan, 't', 'a')}"
     )
@@ -293,9 +294,9 @@ def _with_recompute(plan: Plan, source: str, state: str, window: Window) -> str:
     """MIN/MAX cannot be un-applied. Each group keeps its top-k extreme values, so a
     removed extreme is replaced from the state; only a group whose top-k runs out
     (k of its most extreme values removed since it was last filled) is recomputed
-    from the new snapshot, semi-joined on its keys. A window that empties no
-    top-k reads no snapshot at all (the empty semi-join side short-circuits the
-    scan)."""
+    from the new snapshot, semi-joined on its keys. Used only when
+    recompute_probe found such groups: the flags are computed again here, in the
+    MERGE's own source, so the MERGE never relies on a count taken outside it."""
     keys = plan.key_columns
     minmax = _minmax(plan)
     rel = _sql(snapshot(plan.input, window, NEW))

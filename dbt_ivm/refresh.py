@@ -17,7 +17,8 @@ import os
 import re
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+import uuid
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional, Protocol
 
 from dbt_ivm import apply
@@ -67,6 +68,7 @@ class Watermark:
     strategy: str = ""
     reason: str = ""
     change_feed: Optional[bool] = None  # the state table's own change feed (None: written before it was recorded, on)
+    run: str = ""  # id of the refresh that wrote it: tells our commit from a concurrent one's
     state_version: Optional[int] = None  # filled in when read back: the state table's current version
     commit_version: Optional[int] = None  # ... and the version of the commit that holds this watermark
 
@@ -96,7 +98,8 @@ class Watermark:
         if not isinstance(data, dict) or data.get("dbt_ivm") != WATERMARK_FORMAT:
             return None
         data.pop("dbt_ivm")
-        return cls(**data)
+        known = {f.name for f in fields(cls)} - {"state_version", "commit_version"}
+        return cls(**{k: v for k, v in data.items() if k in known})  # newer writers may add keys
 
 
 @dataclass
@@ -145,7 +148,8 @@ def validate_config(config: dict) -> dict:
             "Expected a number in (0, 1]: the fraction of a source's rows that may change "
             "before ivm_policy='auto' rebuilds instead of refreshing incrementally."
         )
-    feed = str(config.get("ivm_change_feed", "auto")).lower()
+    feed = config.get("ivm_change_feed")
+    feed = "auto" if feed is None else str(feed).lower()
     if feed not in CHANGE_FEED:
         raise IvmConfigError(
             f"Invalid ivm_change_feed provided: {config.get('ivm_change_feed')!r}. "
@@ -157,6 +161,26 @@ def validate_config(config: dict) -> dict:
         # set by the materialization from the dbt graph, not by users
         "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
     }
+
+
+def has_mv_readers(nodes: dict, unique_id: str) -> bool:
+    """Whether an incremental_mv of the dbt graph (``graph.nodes``: unique id ->
+    node dict) reads the model ``unique_id`` — directly, or through ephemeral
+    models, which are inlined into their reader. Such a reader reads the model's
+    state table's change feed."""
+    readers: dict = {}
+    for nid, node in nodes.items():
+        for dep in ((node or {}).get("depends_on") or {}).get("nodes") or []:
+            readers.setdefault(dep, []).append((nid, ((node.get("config") or {}).get("materialized"))))
+    todo, seen = [unique_id], {unique_id}
+    while todo:
+        for nid, materialized in readers.get(todo.pop(), []):
+            if materialized == "incremental_mv":
+                return True
+            if materialized == "ephemeral" and nid not in seen:
+                seen.add(nid)
+                todo.append(nid)
+    return False
 
 
 # Changes up to this many rows are always applied incrementally (see too_large).
@@ -224,6 +248,7 @@ def decide(
         if not s.cdf:
             return Decision(FULL, Reason(
                 "CDF_DISABLED", f"source {s.name} has no change data feed",
+                f"set ivm_change_feed: true on the incremental_mv {s.name}" if s.kind == MV else
                 f"ALTER TABLE {s.physical} SET TBLPROPERTIES (delta.enableChangeDataFeed = true)"))
         if s.physical not in old or s.version is None or s.version < old[s.physical]:
             return Decision(FULL, Reason(
@@ -268,8 +293,12 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -
             return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
         version, histories[state] = history_head(ex, state, HISTORY_DEPTH)
         mult = apply.COUNT if props.get(PROP_KIND) == BAG else None
+        # the upstream's newest watermark says whether its state keeps a change feed
+        marks = (Watermark.from_json(r[13] if len(r) > 13 else None) for r in histories[state])
+        newest = next((w for w in marks if w is not None), None)
+        cdf = True if newest is None or newest.change_feed is None else bool(newest.change_feed)
         return Source(name=name, columns=tuple(columns), kind=MV, version=version,
-                      cdf=True, state_table=state, multiplicity=mult)
+                      cdf=cdf, state_table=state, multiplicity=mult)
     if info.get("provider", "").lower() != "delta":
         return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
     version, histories[name] = history_head(ex, name, HISTORY_DEPTH)
@@ -427,14 +456,6 @@ def _failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# Per-group top-k state (min_by/max_by with k, see apply._top_k) is an object
-# aggregate; Spark falls back from hashing to sorting every input row once a task
-# holds 128 groups, which made building a MIN/MAX state 2-4x dearer than the plain
-# aggregate. 2^17 groups of ~4 KB stay well inside the default 4g heap per task;
-# beyond them Spark still sorts (correct, slower).
-_AGG_CONFS = {"spark.sql.objectHashAggregate.sortBased.fallbackThreshold": str(1 << 17)}
-
-
 class Refresher:
     """Runs one refresh of one model through an Executor."""
 
@@ -445,6 +466,8 @@ class Refresher:
         self.state = state_name(self.relation)
         self.config = validate_config(config)
         self.full_refresh = full_refresh
+        self.run_id = uuid.uuid4().hex
+        self.sized = False  # _change_sizes ran: self.source_rows holds the new versions' counts
         # The state's own change feed costs every write ~30 %; it is kept only for
         # readers of it: incremental_mv models built on this one.
         feed = self.config["ivm_change_feed"]
@@ -468,21 +491,14 @@ class Refresher:
             watermark=watermark, sig=sig, sources=sources,
             unsupported=unsupported.reason if unsupported else None,
         )
-        if (
-            self.config["ivm_policy"] == "incremental"
-            and decision.strategy == FULL
-            and decision.reason.code not in _REBUILD_REASONS
-        ):
-            raise IvmError(
-                f"ivm_policy is 'incremental' but the refresh of {self.relation} cannot be "
-                f"incremental: {decision.reason.message()}"
-            )
+        self._allowed(decision)
         sizes = {}
         if decision.strategy == INCREMENTAL:
             try:
                 sizes = self._change_sizes(sources, watermark)
             except Exception as e:  # the feed does not cover the window (enabled late, vacuumed)
                 sizes, decision = {}, Decision(FULL, _cdf_unavailable(e))
+                self._allowed(decision, e)
             costly = too_large(sizes, self.config["ivm_full_threshold"])
             if decision.strategy == FULL:
                 pass
@@ -502,14 +518,29 @@ class Refresher:
             except Exception as e:
                 # The window's change files or old snapshot are gone (VACUUM, log
                 # cleanup): nothing was written; rebuild instead, unless told not to.
-                if not _MISSING_HISTORY.search(str(e)) or self.config["ivm_policy"] == "incremental":
+                if not _MISSING_HISTORY.search(str(e)):
                     raise
                 decision = Decision(FULL, _cdf_unavailable(e))
+                self._allowed(decision, e)
                 result.strategy, result.reason = decision.strategy, decision.reason
         if decision.strategy in (CREATE, FULL):
             self._rebuild(plan, sources, sig, decision, state_exists, watermark)
         result.seconds = time.time() - start
         return result
+
+    def _allowed(self, decision: Decision, cause: Optional[BaseException] = None) -> None:
+        """Under ivm_policy='incremental' a fallback to FULL is an error naming the
+        reason (rebuilds that are by nature — first build, --full-refresh, changed
+        SQL — still run)."""
+        if (
+            self.config["ivm_policy"] == "incremental"
+            and decision.strategy == FULL
+            and decision.reason.code not in _REBUILD_REASONS
+        ):
+            raise IvmError(
+                f"ivm_policy is 'incremental' but the refresh of {self.relation} cannot be "
+                f"incremental: {decision.reason.message()}"
+            ) from cause
 
     # ----------------------------------------------------------------- steps
 
@@ -525,11 +556,11 @@ class Refresher:
             sources=[
                 {"name": s.name, "kind": s.kind, "physical": s.physical, "multiplicity": s.multiplicity,
                  "columns": [list(c) for c in s.columns], "version": s.version,
-                 "rows": self.source_rows.get(s.physical) if decision.strategy == INCREMENTAL else None}
+                 "rows": self.source_rows.get(s.physical) if self.sized else None}
                 for s in sources
             ],
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
-            change_feed=self.change_feed,
+            change_feed=self.change_feed, run=self.run_id,
         )
 
     def _rebuild(self, plan, sources, sig, decision, state_exists, old: Optional[Watermark]) -> None:
@@ -549,7 +580,7 @@ class Refresher:
             self.ex.query(f"DROP TABLE {quote(self.state)}")
         if same:
             self._set_change_feed(old)
-        with self._commit(wm, old.commit_version if same and old else None, _AGG_CONFS):
+        with self._commit(wm, old.commit_version if same and old else None):
             if same:
                 self.ex.query(f"INSERT OVERWRITE {quote(self.state)} {body}")
             else:
@@ -603,6 +634,8 @@ class Refresher:
             estimate, net = window_estimate(history, lo, hi)
             before = self.source_rows.get(s.physical)
             derived[s.name] = before + net if before is not None and net is not None else None
+            if derived[s.name] is not None and derived[s.name] < 0:  # metrics we misread: count again
+                derived[s.name] = None
             self.source_rows[s.physical] = derived[s.name]
             name = s.physical.replace("'", "\\'")
             if estimate is None:
@@ -627,6 +660,7 @@ class Refresher:
             for n, value in zip(big, row):
                 sizes[n][1] = int(value)
                 self.source_rows[big[n][2].physical] = int(value)
+        self.sized = True
         return {n: (c, t) for n, (c, t, _) in sizes.items()}
 
     def _incremental(self, plan: Plan, sources, watermark: Watermark, result: Result,
@@ -645,17 +679,16 @@ class Refresher:
         self._set_change_feed(watermark)
         # Our MERGE source is small but expensive (deltas joined with snapshots):
         # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
-        with self._commit(wm, watermark.commit_version,
-                          {**_AGG_CONFS, "spark.databricks.delta.merge.materializeSource": "all"}):
+        with self._commit(wm, watermark.commit_version, {"spark.databricks.delta.merge.materializeSource": "all"}):
             _failpoint("before_commit")
             rows = self.ex.query(merge)
             _failpoint("after_commit")
         # Delta skips a write whose (txnAppId, txnVersion) it has already committed
         # and returns no metrics row: look at the history only then.
         if not rows or not any(int(v or 0) for v in rows[0]):
-            mine = wm.to_json()
             recent = self.ex.query(f"DESCRIBE HISTORY {quote(self.state)} LIMIT 5")
-            if not any(len(r) > 13 and r[13] == mine for r in recent):
+            written = [Watermark.from_json(r[13] if len(r) > 13 else None) for r in recent]
+            if not any(w is not None and w.run == self.run_id for w in written):
                 result.strategy = NOOP
                 result.reason = Reason("ALREADY_APPLIED", "a concurrent refresh already applied this change")
                 return

@@ -6,19 +6,14 @@
 -#}
 {% materialization incremental_mv, adapter='spark_ivm' %}
 
-  {#-- Validate config first: nothing runs on a bad config --#}
-  {#-- Models of this project that are incremental_mvs reading this one (they read its change feed) --#}
-  {%- set mv_dependents = [] -%}
-  {%- for node in graph.nodes.values() -%}
-    {%- if node.config.materialized == 'incremental_mv' and model.unique_id in node.depends_on.nodes -%}
-      {%- do mv_dependents.append(node.unique_id) -%}
-    {%- endif -%}
-  {%- endfor -%}
+  {#-- Validate config first: nothing runs on a bad config. An incremental_mv of
+       this project reading this one (directly or through ephemeral models) reads
+       its state's change feed: ivm_change_feed='auto' keeps it on only then. --#}
   {%- set ivm_config = adapter.ivm_validate_config({
         'ivm_policy': config.get('ivm_policy', 'auto'),
         'ivm_full_threshold': config.get('ivm_full_threshold'),
         'ivm_change_feed': config.get('ivm_change_feed', 'auto'),
-        'ivm_mv_dependents': mv_dependents | length > 0,
+        'ivm_mv_dependents': adapter.ivm_has_mv_readers(graph.nodes, model.unique_id),
       }) -%}
   {%- set target_relation = this.incorporate(type='view') -%}
   {%- set existing_relation = load_cached_relation(this) -%}

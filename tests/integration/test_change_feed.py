@@ -58,8 +58,11 @@ def test_a_model_nobody_reads_keeps_no_feed(project):
 
 
 def test_a_dependent_mv_switches_the_feed_on_and_reads_it(project):
+    # the reader sees base through an ephemeral model (inlined as a CTE): still a reader
+    project.write("models/eph.sql", "{{ config(materialized='ephemeral') }}\n"
+                  "select k, s, n from {{ ref('base') }} where k is not null")
     project.write("models/top.sql", "{{ config(materialized='incremental_mv') }}\n"
-                  "select n % 2 as parity, sum(s) as s, count(*) as groups from {{ ref('base') }} group by n % 2")
+                  "select n % 2 as parity, sum(s) as s, count(*) as groups from {{ ref('eph') }} group by n % 2")
     out = _run(project)
     assert out.code("base") == "NOOP" and out.code("top") == "CREATE"
     for step in range(3):
@@ -74,8 +77,21 @@ def test_a_dependent_mv_switches_the_feed_on_and_reads_it(project):
             assert check_model(f"{OUT}.{m}", out.results[m].node.compiled_code) is None, (step, m)
 
 
+def test_forced_off_under_a_reader_rebuilds_the_reader_with_a_hint(project):
+    project.write("models/base.sql", "{{ config(materialized='incremental_mv', ivm_change_feed=false) }}\n"
+                  "select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k")
+    sql(f"insert into {SRC}.t values (5, 5)")
+    out = _run(project)
+    assert out.code("base") == "INCREMENTAL" and _feed("base") == "false"
+    r = out.response("top")
+    assert (r["code"], r["reason"]) == ("FULL", "CDF_DISABLED"), r
+    assert "ivm_change_feed: true" in out.results["top"].message
+    assert check_model(f"{OUT}.top", out.results["top"].node.compiled_code) is None
+
+
 def test_forced_setting_and_invalid_value(project):
     (project.root / "models" / "top.sql").unlink()  # base has no reader any more
+    (project.root / "models" / "eph.sql").unlink()
     project.write("models/base.sql", "{{ config(materialized='incremental_mv', ivm_change_feed='maybe') }}\n"
                   "select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k")
     before = sql(f"describe history {OUT}.base__ivm_state limit 1")[0].version

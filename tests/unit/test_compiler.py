@@ -75,3 +75,32 @@ def test_aggregate_plan_dedupes_identical_calls():
     plan = build_plan("select i, sum(j) as s, sum(j) * 2 as s2, avg(j) as a from db.a group by i", CATALOG)
     assert [a.func for a in plan.aggregates] == ["sum", "avg"]
     assert plan.key_columns == ["__ivm_k0"]
+
+
+def _minmax_plan():
+    cat = Catalog({"db.a": Source("db.a", (("i", "int"), ("j", "int"), ("d", "double")), kind="delta",
+                                  version=3, cdf=True)})
+    return build_plan("select i, min(j) as mn, max(d) as mx, count(*) as n from db.a group by i", cat)
+
+
+def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
+    import sqlglot
+
+    from dbt_ivm.apply import merge_statement, recompute_probe
+    from dbt_ivm.delta import Window
+
+    plan = _minmax_plan()
+    window = Window(old={"db.a": 2}, new={"db.a": 3}, broadcast=True)
+    types = {"i": "int", "mn": "int", "mx": "double", "n": "bigint"}
+    probe = recompute_probe(plan, "db.s", window)
+    merge = merge_statement(plan, "db.s", window, types, recompute=False)
+    full = merge_statement(plan, "db.s", window, types, recompute=True)
+    for statement in (probe, merge, full):
+        sqlglot.parse_one(statement, read="spark")  # well-formed
+    # the probe and the plain MERGE read the change and the state, never a snapshot
+    assert "VERSION AS OF" not in probe and "VERSION AS OF" not in merge
+    assert "TABLE_CHANGES" in probe.upper() and "__ivm_a1_rm > 0" in probe
+    assert "VERSION AS OF 3" in full  # the recompute reads the pinned snapshot
+    # no MIN/MAX, no probe
+    cat = Catalog({"db.a": Source("db.a", (("i", "int"),), kind="delta", version=3, cdf=True)})
+    assert recompute_probe(build_plan("select i, count(*) as n from db.a group by i", cat), "db.s", window) is None

@@ -170,3 +170,34 @@ def test_window_estimate_gives_net_rows_for_the_cost_rule():
     # a MERGE without the per-kind metrics: changed rows unknown
     h3 = [_commit(2, "MERGE", {}, {"numTargetRowsUpdated": "2"})]
     assert window_estimate(h3, 1, 2) == (None, None)
+
+
+def _node(materialized, *deps):
+    return {"config": {"materialized": materialized}, "depends_on": {"nodes": list(deps)}}
+
+
+def test_mv_readers_are_found_directly_and_through_ephemeral_models():
+    from dbt_ivm.refresh import has_mv_readers
+
+    nodes = {
+        "model.p.base": _node("incremental_mv"),
+        "model.p.eph": _node("ephemeral", "model.p.base"),
+        "model.p.eph2": _node("ephemeral", "model.p.eph"),
+        "model.p.reader": _node("incremental_mv", "model.p.eph2"),
+        "model.p.tbl": _node("table", "model.p.other"),
+        "model.p.after_table": _node("incremental_mv", "model.p.tbl"),
+        "test.p.not_null": {"config": {"materialized": "test"}, "depends_on": {"nodes": ["model.p.other"]}},
+        "seed.p.s": {"config": {"materialized": "seed"}, "depends_on": {"macros": []}},
+    }
+    assert has_mv_readers(nodes, "model.p.base")
+    assert not has_mv_readers(nodes, "model.p.reader")
+    assert not has_mv_readers(nodes, "model.p.other")  # a table in between reads it, not its feed
+
+
+def test_watermark_from_a_newer_writer_ignores_unknown_keys():
+    import json
+
+    body = json.loads(wm().to_json())
+    body["some_future_field"] = 1
+    back = Watermark.from_json(json.dumps(body))
+    assert back is not None and back.signature == "sig"

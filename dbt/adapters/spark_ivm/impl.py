@@ -96,12 +96,24 @@ class SparkIvmAdapter(SparkAdapter):
             raise CompilationError(str(e)) from e
 
     @available
+    def ivm_has_mv_readers(self, nodes: dict, unique_id: str) -> bool:
+        """Whether an incremental_mv of this project reads the model (its state's change feed)."""
+        from dbt_ivm.refresh import has_mv_readers
+
+        return has_mv_readers(dict(nodes or {}), unique_id)
+
+    @available
     def ivm_refresh(self, sql: str, relation: Any, config: dict, full_refresh: bool) -> IvmAdapterResponse:
         """Plan and apply one refresh of an incremental_mv; returns what ran and why."""
         from dbt_ivm.errors import IvmConfigError, IvmError
         from dbt_ivm.refresh import Refresher
 
         name = f"{relation.schema}.{relation.identifier}"
+        if str(config.get("ivm_change_feed")).lower() == "false" and config.get("ivm_mv_dependents"):
+            logger.warning(
+                f"incremental_mv {name}: ivm_change_feed is false but an incremental_mv of this project "
+                "reads it; that model will rebuild on every change (CDF_DISABLED)"
+            )
         try:
             ex = _Executor(self)
             result = Refresher(ex, sql, name, dict(config), bool(full_refresh)).run()
