@@ -58,6 +58,19 @@ def sql(statement: str) -> list:
     return spark().sql(statement).collect()
 
 
+def fresh_schemas(out: str, src: str) -> None:
+    """A test module's own schemas, empty: its models' ``out`` and its sources' ``src``."""
+    sql(f"drop schema if exists {out} cascade")
+    sql(f"drop schema if exists {src} cascade")
+    sql(f"create schema {src}")
+
+
+def change_feed_of(table: str) -> str:
+    """A Delta table's delta.enableChangeDataFeed ('false' when unset)."""
+    props = {r[0]: r[1] for r in sql(f"show tblproperties {table}")}
+    return props.get("delta.enableChangeDataFeed", "false")
+
+
 # --------------------------------------------------------------------------- dbt
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import DbtProject, check_model, sql
+from tests.harness import DbtProject, change_feed_of, check_model, fresh_schemas, sql
 
 pytestmark = pytest.mark.spark
 
@@ -17,16 +17,13 @@ SRC, OUT = "cf_src", "cf_out"
 
 
 def _feed(model: str) -> str:
-    props = {r[0]: r[1] for r in sql(f"show tblproperties {OUT}.{model}__ivm_state")}
-    return props.get("delta.enableChangeDataFeed", "false")
+    return change_feed_of(f"{OUT}.{model}__ivm_state")
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     p = DbtProject(tmp_path_factory.mktemp("change_feed"), name="change_feed", schema=OUT)
-    sql(f"drop schema if exists {OUT} cascade")
-    sql(f"drop schema if exists {SRC} cascade")
-    sql(f"create schema {SRC}")
+    fresh_schemas(OUT, SRC)
     sql(f"create table {SRC}.t (k int, v int) using delta tblproperties (delta.enableChangeDataFeed = true)")
     sql(f"insert into {SRC}.t select id % 7, id from range(0, 100)")
     p.write("models/sources.yml", f"""

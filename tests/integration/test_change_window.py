@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import DbtProject, check_model, sql
+from tests.harness import DbtProject, check_model, fresh_schemas, sql
 
 pytestmark = pytest.mark.spark
 
@@ -17,9 +17,7 @@ OUT = "win_out"
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     p = DbtProject(tmp_path_factory.mktemp("window"), name="window", schema=OUT)
-    sql(f"drop schema if exists {OUT} cascade")
-    sql(f"drop schema if exists {SRC} cascade")
-    sql(f"create schema {SRC}")
+    fresh_schemas(OUT, SRC)
     for t in ("t", "big", "flip", "vac"):
         sql(f"create table {SRC}.{t} (k int, v int) using delta tblproperties (delta.enableChangeDataFeed = true)")
     sql(f"insert into {SRC}.t select id % 4, id from range(0, 40)")

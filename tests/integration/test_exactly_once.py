@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import DbtProject, check_model, spark, sql
+from tests.harness import DbtProject, change_feed_of, check_model, spark, sql
 
 pytestmark = pytest.mark.spark
 
@@ -167,17 +167,12 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path):
             t.join()
         assert outcomes.count(INCREMENTAL) <= 1, outcomes
         assert _merges() - merges_before <= 1, outcomes
-        assert _feed("conc_out.agg__ivm_state") == feed
+        assert change_feed_of("conc_out.agg__ivm_state") == feed
         # whatever happened, one more refresh leaves the model exact, the change applied once
         final = project.dbt("run")
         assert final.code("agg") in (INCREMENTAL, NOOP)
         assert _merges() - merges_before == 1, (outcomes, final.code("agg"))
         assert check_model("conc_out.agg", compiled) is None
-
-
-def _feed(table: str) -> str:
-    props = {r[0]: r[1] for r in sql(f"show tblproperties {table}")}
-    return props.get("delta.enableChangeDataFeed", "false")
 
 
 def _merges() -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dbt_ivm.apply import TOP_K
-from tests.harness import DbtProject, check_model, sql
+from tests.harness import DbtProject, check_model, fresh_schemas, sql
 
 pytestmark = pytest.mark.spark
 
@@ -18,9 +18,7 @@ N = 3 * TOP_K  # rows per group: more than the state keeps
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     p = DbtProject(tmp_path_factory.mktemp("minmax"), name="minmax", schema=OUT)
-    sql(f"drop schema if exists {OUT} cascade")
-    sql(f"drop schema if exists {SRC} cascade")
-    sql(f"create schema {SRC}")
+    fresh_schemas(OUT, SRC)
     sql(f"create table {SRC}.t (g string, v int, d double) using delta "
         "tblproperties (delta.enableChangeDataFeed = true)")
     # group a: v = 1..N; group b: v = 1..N twice (duplicates); d mirrors v with NULLs
