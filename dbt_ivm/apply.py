@@ -247,14 +247,14 @@ def _runs_out(plan: Plan, t: str, a: str) -> str:
     )
 
 
-def recompute_probe(plan: Plan, state: str, window: Window) -> Optional[str]:
+def recompute_probe(plan: Plan, state: str, window: Window, change: Optional[str] = None) -> Optional[str]:
     """A read-only count of the groups whose MIN/MAX top-k the window empties
     (None: no MIN/MAX, or nothing changed). Only groups that lost values can run
     out, and they are few: in a small window they are broadcast into one scan of the state. When
     the count is 0 — nearly always — the MERGE needs no recompute at all."""
     if not plan.has_minmax:
         return None
-    change = _aggregate_change(plan, window)
+    change = change or _aggregate_change(plan, window)
     if change is None:
         return None
     lost = " OR ".join(f"{m.col('rm')} > 0" for m in _minmax(plan))
@@ -266,8 +266,9 @@ def recompute_probe(plan: Plan, state: str, window: Window) -> Optional[str]:
     )
 
 
-def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recompute: bool) -> Optional[str]:
-    source = _aggregate_change(plan, window)
+def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recompute: bool,
+                     change: Optional[str]) -> Optional[str]:
+    source = change or _aggregate_change(plan, window)
     if source is None:
         return None
     keys = plan.key_columns
@@ -334,13 +335,22 @@ def state_query(plan: Plan, window: Window, types: dict) -> str:
     return _bag_state(plan, window)
 
 
-def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompute: bool = True) -> Optional[str]:
+def aggregate_change(plan: Plan, window: Window) -> Optional[str]:
+    """An aggregate plan's per-group change of the window (None: no source of the
+    plan changed): the MERGE's source, which a MIN/MAX refresh computes once and
+    hands to both recompute_probe and merge_statement as ``change``."""
+    return _aggregate_change(plan, window) if plan.kind == AGGREGATE else None
+
+
+def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompute: bool = True,
+                    change: Optional[str] = None) -> Optional[str]:
     """The one MERGE applying the window's changes to the state; None if no
     source the plan reads changed. ``recompute=False``: no MIN/MAX group runs
     out of its top-k in this window (see recompute_probe), so no source snapshot
-    is read."""
+    is read. ``change``: a query returning aggregate_change's rows (computed
+    already)."""
     if plan.kind == AGGREGATE:
-        return _aggregate_merge(plan, state, window, types, recompute)
+        return _aggregate_merge(plan, state, window, types, recompute, change)
     return _bag_merge(plan, state, window)
 
 

@@ -56,6 +56,10 @@ class Decision:
     reason: Optional[Reason] = None
 
 
+# Watermark fields filled in when it is read back, never stored.
+_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges"})
+
+
 @dataclass
 class Watermark:
     """What the state holds: stored as JSON in the commit that wrote it."""
@@ -69,8 +73,10 @@ class Watermark:
     reason: str = ""
     change_feed: Optional[bool] = None  # the state table's own change feed (None: written before it was recorded, on)
     run: str = ""  # id of the refresh that wrote it: tells our commit from a concurrent one's
+    deletion_vectors: Optional[bool] = None  # the state table's deletion vectors (None: written before, off)
     state_version: Optional[int] = None  # filled in when read back: the state table's current version
     commit_version: Optional[int] = None  # ... and the version of the commit that holds this watermark
+    dv_merges: int = 0  # ... and the MERGEs that left deletion vectors since the state was last rewritten
 
     def versions(self) -> dict:
         return {s["physical"]: s["version"] for s in self.sources if s["version"] is not None}
@@ -86,7 +92,7 @@ class Watermark:
         ]
 
     def to_json(self) -> str:
-        body = {k: v for k, v in asdict(self).items() if k not in ("state_version", "commit_version")}
+        body = {k: v for k, v in asdict(self).items() if k not in _READ_BACK}
         return json.dumps({"dbt_ivm": WATERMARK_FORMAT, **body}, separators=(",", ":"))
 
     @classmethod
@@ -98,7 +104,7 @@ class Watermark:
         if not isinstance(data, dict) or data.get("dbt_ivm") != WATERMARK_FORMAT:
             return None
         data.pop("dbt_ivm")
-        known = {f.name for f in fields(cls)} - {"state_version", "commit_version"}
+        known = {f.name for f in fields(cls)} - _READ_BACK
         return cls(**{k: v for k, v in data.items() if k in known})  # newer writers may add keys
 
 
@@ -110,6 +116,7 @@ class Result:
     rows: dict = field(default_factory=dict)  # merge metrics
     changed_sources: list = field(default_factory=list)
     sizes: dict = field(default_factory=dict)  # source -> changed rows
+    notes: list = field(default_factory=list)  # said after the message
 
     def message(self) -> str:
         parts = [self.strategy]
@@ -122,6 +129,7 @@ class Result:
         if self.rows:
             parts.append(", ".join(f"{k}={v}" for k, v in self.rows.items()))
         parts.append(f"in {self.seconds:.2f}s")
+        parts.extend(f"({n})" for n in self.notes)
         if self.reason and self.reason.detail:
             parts.append(f"- {self.reason.detail}")
             if self.reason.hint:
@@ -182,6 +190,9 @@ def has_mv_readers(nodes: dict, unique_id: str) -> bool:
                 todo.append(nid)
     return False
 
+
+# The state is compacted after this many MERGEs that left deletion vectors.
+COMPACT_AFTER = 10
 
 # Changes up to this many rows are always applied incrementally (see too_large).
 SMALL_CHANGE = 1000
@@ -417,10 +428,44 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
             wm = Watermark.from_json(row[13] if len(row) > 13 else None)
             if wm is not None:
                 wm.state_version, wm.commit_version = current, int(row[0])
+                wm.dv_merges = dv_merges(rows)
                 return current, wm
         if limit and len(rows) < 20:
             break
     return current, None
+
+
+# Operations that rewrite every live row of a table (no deletion vector survives).
+_REWRITES = ("OPTIMIZE", "REORG", "CREATE TABLE AS SELECT", "CREATE OR REPLACE TABLE AS SELECT",
+             "REPLACE TABLE AS SELECT")
+
+
+def dv_merges(history: list[tuple]) -> int:
+    """MERGE commits that left deletion vectors since the table was last rewritten
+    (DESCRIBE HISTORY rows, newest first; counts only the rows given).
+
+    >>> dv_merges([(3, None, None, None, "MERGE", {}, None, None, None, 2, None, False,
+    ...             {"numTargetDeletionVectorsAdded": "2"}),
+    ...            (2, None, None, None, "OPTIMIZE", {}, None, None, None, 1, None, False, {}),
+    ...            (1, None, None, None, "MERGE", {}, None, None, None, 0, None, False,
+    ...             {"numTargetDeletionVectorsAdded": "1"})])
+    1
+    """
+    n = 0
+    for row in history:
+        op = str(row[4] or "").upper()
+        params = _as_map(row[5])
+        if op in _REWRITES or (op == "WRITE" and str(params.get("mode", "")).strip('"') == "Overwrite"):
+            break
+        if op == "MERGE":
+            metrics = _as_map(row[12] if len(row) > 12 else None)
+            try:
+                added = int(metrics.get("numTargetDeletionVectorsAdded") or 0)
+                added += int(metrics.get("numTargetDeletionVectorsUpdated") or 0)
+            except (TypeError, ValueError):
+                added = 0
+            n += added > 0
+    return n
 
 
 def relations_present(ex: Executor, names: list[str]) -> set[str]:
@@ -560,7 +605,7 @@ class Refresher:
                 for s in sources
             ],
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
-            change_feed=self.change_feed, run=self.run_id,
+            change_feed=self.change_feed, run=self.run_id, deletion_vectors=True,
         )
 
     def _rebuild(self, plan, sources, sig, decision, state_exists, old: Optional[Watermark]) -> None:
@@ -579,31 +624,43 @@ class Refresher:
         if state_exists and not same:
             self.ex.query(f"DROP TABLE {quote(self.state)}")
         if same:
-            self._set_change_feed(old)
+            self._set_properties(old)
         with self._commit(wm, old.commit_version if same and old else None):
             if same:
                 self.ex.query(f"INSERT OVERWRITE {quote(self.state)} {body}")
             else:
-                feed = "true" if self.change_feed else "false"
-                self.ex.query(
-                    f"CREATE TABLE {quote(self.state)} USING delta "
-                    f"TBLPROPERTIES ('delta.enableChangeDataFeed' = '{feed}') AS {body}"
-                )
+                props = ", ".join(f"'{k}' = '{v}'" for k, v in self._state_properties().items())
+                self.ex.query(f"CREATE TABLE {quote(self.state)} USING delta TBLPROPERTIES ({props}) AS {body}")
         self.ex.query(
             f"CREATE OR REPLACE VIEW {quote(self.relation)} "
             f"TBLPROPERTIES ('{PROP_STATE}' = '{self.state}', '{PROP_KIND}' = '{kind}') "
             f"AS {apply.view_query(kind, columns, self.state)}"
         )
 
-    def _set_change_feed(self, old: Optional[Watermark]) -> None:
-        """Switch the state table's change feed on or off when the wanted setting
-        differs from what the last watermark recorded (a metadata-only commit, made
-        before the refresh's one write; harmless when repeated)."""
-        had = True if old is None or old.change_feed is None else old.change_feed
-        if old is not None and had == self.change_feed:
-            return
-        feed = "true" if self.change_feed else "false"
-        self.ex.query(f"ALTER TABLE {quote(self.state)} SET TBLPROPERTIES ('delta.enableChangeDataFeed' = '{feed}')")
+    def _state_properties(self) -> dict:
+        """The Delta properties the state table should have. Deletion vectors: a
+        MERGE marks the rows it replaces instead of rewriting every file it
+        touches (a small change spread over a big state touches every file);
+        the refresh compacts the state every COMPACT_AFTER such MERGEs."""
+        return {
+            "delta.enableChangeDataFeed": "true" if self.change_feed else "false",
+            "delta.enableDeletionVectors": "true",
+        }
+
+    def _set_properties(self, old: Optional[Watermark]) -> None:
+        """Set the state table's properties that differ from what the last
+        watermark recorded (a metadata-only commit, made before the refresh's one
+        write; harmless when repeated)."""
+        had = {
+            "delta.enableChangeDataFeed": "false" if old is not None and old.change_feed is False else "true",
+            "delta.enableDeletionVectors": "true" if old is not None and old.deletion_vectors else "false",
+        }
+        if old is None:
+            had = {}
+        wanted = {k: v for k, v in self._state_properties().items() if had.get(k) != v}
+        if wanted:
+            props = ", ".join(f"'{k}' = '{v}'" for k, v in wanted.items())
+            self.ex.query(f"ALTER TABLE {quote(self.state)} SET TBLPROPERTIES ({props})")
 
     def _state_schema(self) -> list[tuple[str, str]]:
         out = []
@@ -668,15 +725,29 @@ class Refresher:
         old = watermark.versions()
         window = Window(old=old, new={s.physical: s.version for s in sources}, broadcast=broadcast)
         result.changed_sources = [s.name for s in sources if window.changed(s)]
-        # MIN/MAX: first a cheap read-only count of the groups whose kept top-k
-        # this window empties; only if there are any does the MERGE read snapshots.
-        probe = apply.recompute_probe(plan, self.state, window)
+        change = apply.aggregate_change(plan, window) if plan.has_minmax else None
+        if change is None:
+            self._apply(plan, sources, watermark, result, window, None)
+            return
+        # MIN/MAX: the per-group change is computed once, cached, and read twice:
+        # by a cheap read-only count of the groups whose kept top-k this window
+        # empties, then by the MERGE (which reads snapshots only if there are any).
+        view = f"{PREFIX}change_{self.run_id}"
+        self.ex.query(f"CACHE TABLE {view} AS {change}")
+        try:
+            self._apply(plan, sources, watermark, result, window, f"SELECT * FROM {view}")
+        finally:
+            self.ex.query(f"DROP VIEW IF EXISTS {view}")
+
+    def _apply(self, plan: Plan, sources, watermark: Watermark, result: Result, window: Window,
+               change: Optional[str]) -> None:
+        probe = apply.recompute_probe(plan, self.state, window, change)
         recompute = int(self.ex.query(probe)[0][0]) if probe else 0
-        merge = apply.merge_statement(plan, self.state, window, watermark.columns, recompute > 0)
+        merge = apply.merge_statement(plan, self.state, window, watermark.columns, recompute > 0, change)
         wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns)
         if merge is None:
             return
-        self._set_change_feed(watermark)
+        self._set_properties(watermark)
         # Our MERGE source is small but expensive (deltas joined with snapshots):
         # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
         with self._commit(wm, watermark.commit_version, {"spark.databricks.delta.merge.materializeSource": "all"}):
@@ -697,6 +768,19 @@ class Refresher:
             result.rows = {n: int(v) for n, v in zip(names, rows[0]) if v is not None}
         if recompute:
             result.rows["recomputed_groups"] = recompute
+        if watermark.dv_merges + 1 >= COMPACT_AFTER:
+            self._compact(result)
+
+    def _compact(self, result: Result) -> None:
+        """Rewrite the state without the rows its MERGEs marked deleted (a commit
+        with no row changes, after the refresh's own). Maintenance only: a failure
+        (a concurrent writer) leaves the refresh as it is and is retried next time."""
+        try:
+            self.ex.query(f"OPTIMIZE {quote(self.state)}")
+            result.rows["compacted"] = 1
+        except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
+            result.rows["compaction_failed"] = 1
+            result.notes.append(f"compaction of {self.state} failed: {str(e)[:200]}")
 
     def _commit(self, wm: Watermark, version: Optional[int], extra: Optional[dict] = None):
         """Session confs around the one write: the watermark rides in the commit

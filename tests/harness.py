@@ -65,10 +65,13 @@ def fresh_schemas(out: str, src: str) -> None:
     sql(f"create schema {src}")
 
 
+def table_properties(table: str) -> dict:
+    return {r[0]: r[1] for r in sql(f"show tblproperties {table}")}
+
+
 def change_feed_of(table: str) -> str:
     """A Delta table's delta.enableChangeDataFeed ('false' when unset)."""
-    props = {r[0]: r[1] for r in sql(f"show tblproperties {table}")}
-    return props.get("delta.enableChangeDataFeed", "false")
+    return table_properties(table).get("delta.enableChangeDataFeed", "false")
 
 
 # --------------------------------------------------------------------------- dbt

@@ -201,3 +201,53 @@ def test_watermark_from_a_newer_writer_ignores_unknown_keys():
     body["some_future_field"] = 1
     back = Watermark.from_json(json.dumps(body))
     assert back is not None and back.signature == "sig"
+
+
+def test_watermark_keeps_deletion_vectors_but_not_the_merge_count():
+    w = wm()
+    w.deletion_vectors, w.dv_merges = True, 4
+    back = Watermark.from_json(w.to_json())
+    assert back.deletion_vectors is True and back.dv_merges == 0
+
+
+def test_dv_merges_counts_back_to_the_last_rewrite():
+    from dbt_ivm.refresh import dv_merges
+
+    dv = {"numTargetDeletionVectorsAdded": "1"}
+    h = [
+        _commit(6, "MERGE", {}, dv),
+        _commit(5, "MERGE", {}, {"numTargetDeletionVectorsAdded": "0", "numTargetDeletionVectorsUpdated": "2"}),
+        _commit(4, "MERGE", {}, {"numTargetDeletionVectorsAdded": "0"}),  # inserts only: nothing to purge
+        _commit(3, "SET TBLPROPERTIES", {}, {}),
+        _commit(2, "WRITE", {"mode": "Overwrite"}, {"numOutputRows": "10"}),  # a FULL refresh rewrote all
+        _commit(1, "MERGE", {}, dv),
+    ]
+    assert dv_merges(h) == 2
+    assert dv_merges(h[:1] + [_commit(5, "OPTIMIZE", {}, {})] + h[1:]) == 1
+    assert dv_merges(h[:2] + [_commit(2, "WRITE", {"mode": "Append"}, {})] + h[2:]) == 2  # an append rewrites nothing
+
+
+class _Recorder:
+    def __init__(self):
+        self.sql = []
+
+    def query(self, sql):
+        self.sql.append(sql)
+        return []
+
+
+@pytest.mark.parametrize("dependents,change_feed,dvs,expected", [
+    (True, None, None, "('delta.enableDeletionVectors' = 'true')"),  # written before DVs: switched on once
+    (False, None, True, "('delta.enableChangeDataFeed' = 'false')"),  # no reader any more
+    (True, False, True, "('delta.enableChangeDataFeed' = 'true')"),
+    (False, False, True, None),  # as recorded: nothing to do
+])
+def test_state_properties_are_set_only_where_the_watermark_differs(dependents, change_feed, dvs, expected):
+    from dbt_ivm.refresh import Refresher
+
+    ex = _Recorder()
+    r = Refresher(ex, "select 1", "db.m", {"ivm_mv_dependents": dependents}, False)
+    old = wm()
+    old.change_feed, old.deletion_vectors = change_feed, dvs
+    r._set_properties(old)
+    assert ex.sql == ([] if expected is None else [f"ALTER TABLE `db`.`m__ivm_state` SET TBLPROPERTIES {expected}"])
