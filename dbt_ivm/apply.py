@@ -247,11 +247,13 @@ def _runs_out(plan: Plan, t: str, a: str) -> str:
     )
 
 
-def recompute_probe(plan: Plan, state: str, window: Window, change: Optional[str] = None) -> Optional[str]:
-    """A read-only count of the groups whose MIN/MAX top-k the window empties
-    (None: no MIN/MAX, or nothing changed). Only groups that lost values can run
-    out, and they are few: in a small window they are broadcast into one scan of the state. When
-    the count is 0 — nearly always — the MERGE needs no recompute at all."""
+def recompute_groups(plan: Plan, state: str, window: Window, change: Optional[str] = None) -> Optional[str]:
+    """The keys (and ``__ivm_rc`` = TRUE) of the groups whose MIN/MAX top-k the
+    window empties (None: no MIN/MAX, or nothing changed). Read-only. Only groups
+    that lost values can run out, and they are few: in a small window they are
+    broadcast into one scan of the state. Nearly always there are none, and the
+    MERGE then reads no snapshot at all. ``change``: a query returning
+    aggregate_change's rows (computed already)."""
     if not plan.has_minmax:
         return None
     change = change or _aggregate_change(plan, window)
@@ -259,22 +261,23 @@ def recompute_probe(plan: Plan, state: str, window: Window, change: Optional[str
         return None
     lost = " OR ".join(f"{m.col('rm')} > 0" for m in _minmax(plan))
     hint = "/*+ BROADCAST(a) */ " if window.broadcast else ""
+    keys = "".join(f"t.{quote(k)}, " for k in plan.key_columns)
     return (
-        f"SELECT {hint}count(*) FROM {quote(state)} AS t "
+        f"SELECT {hint}{keys}TRUE AS {RC} FROM {quote(state)} AS t "
         f"JOIN (SELECT * FROM ({change}) AS {PREFIX}c WHERE {lost}) AS a "
         f"ON {_nullsafe_on(plan.key_columns, 't', 'a')} WHERE {_runs_out(plan, 't', 'a')}"
     )
 
 
-def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recompute: bool,
+def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recompute: Optional[str],
                      change: Optional[str]) -> Optional[str]:
     source = change or _aggregate_change(plan, window)
     if source is None:
         return None
     keys = plan.key_columns
     if plan.has_minmax and recompute:
-        source = _with_recompute(plan, source, state, window)
-    elif plan.has_minmax:  # no group runs out (recompute_probe said so)
+        source = _with_recompute(plan, source, recompute, window)
+    elif plan.has_minmax:  # no group runs out (recompute_groups found none)
         # the recompute columns are never read (the flag is false): any array of the right type
         none = ", ".join(f"{m.col('ins')} AS {m.col('rcv')}" for m in _minmax(plan))
         source = f"SELECT {PREFIX}n.*, FALSE AS {RC}, {none} FROM ({source}) AS {PREFIX}n"
@@ -291,36 +294,31 @@ def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recomp
     )
 
 
-def _with_recompute(plan: Plan, source: str, state: str, window: Window) -> str:
+def _with_recompute(plan: Plan, source: str, groups: str, window: Window) -> str:
     """MIN/MAX cannot be un-applied. Each group keeps its top-k extreme values, so a
     removed extreme is replaced from the state; only a group whose top-k runs out
     (k of its most extreme values removed since it was last filled) is recomputed
-    from the new snapshot, semi-joined on its keys. Used only when
-    recompute_probe found such groups: the flags are computed again here, in the
-    MERGE's own source, so the MERGE never relies on a count taken outside it."""
+    from the new snapshot, semi-joined on its keys. ``groups`` returns those
+    groups (recompute_groups, run before the MERGE on the state version the
+    MERGE's idempotency key is tied to: a concurrent write of the state between
+    the two makes Delta skip or reject this MERGE, so the list cannot be stale
+    for a write that commits)."""
     keys = plan.key_columns
-    minmax = _minmax(plan)
     rel = _sql(snapshot(plan.input, window, NEW))
-    runs_out = _runs_out(plan, "t", "a")
-    # the change per group, with whether it empties the group's top-k (one pass
-    # over the change and one lookup in the state)
-    flagged = (
-        f"SELECT a.*, COALESCE({runs_out}, FALSE) AS {RC} FROM ({source}) AS a "
-        f"LEFT JOIN {quote(state)} AS t ON {_nullsafe_on(keys, 'a', 't')}"
-    )
     unit = _unit_weights(plan)
-    aggs = ", ".join(f"{_top_k(a, 'r.' + quote(a.arg), 'r.' + W, unit)} AS {a.col('rcv')}" for a in minmax)
+    aggs = ", ".join(f"{_top_k(a, 'r.' + quote(a.arg), 'r.' + W, unit)} AS {a.col('rcv')}" for a in _minmax(plan))
     key_list = ", ".join(f"r.{k}" for k in keys)
     hint = "/*+ BROADCAST(f) */ " if window.broadcast else ""
     recompute = (
         f"SELECT {hint}{key_list + ', ' if keys else ''}{aggs} FROM ({rel}) AS r "
-        f"LEFT SEMI JOIN (SELECT * FROM {PREFIX}flagged WHERE {RC}) AS f ON {_nullsafe_on(keys, 'r', 'f')}"
+        f"LEFT SEMI JOIN {PREFIX}g AS f ON {_nullsafe_on(keys, 'r', 'f')}"
         + (f" GROUP BY {key_list}" if keys else "")
     )
-    rcv = ", ".join(f"COALESCE(rc.{a.col('rcv')}, array()) AS {a.col('rcv')}" for a in minmax)
+    rcv = ", ".join(f"COALESCE(rc.{a.col('rcv')}, array()) AS {a.col('rcv')}" for a in _minmax(plan))
     return (
-        f"WITH {PREFIX}flagged AS ({flagged}), {PREFIX}rc AS ({recompute}) "
-        f"SELECT a.*, {rcv} FROM {PREFIX}flagged AS a "
+        f"WITH {PREFIX}g AS ({groups}), {PREFIX}rc AS ({recompute}) "
+        f"SELECT a.*, COALESCE(g.{RC}, FALSE) AS {RC}, {rcv} FROM ({source}) AS a "
+        f"LEFT JOIN {PREFIX}g AS g ON {_nullsafe_on(keys, 'a', 'g')} "
         f"LEFT JOIN {PREFIX}rc AS rc ON {_nullsafe_on(keys, 'a', 'rc')}"
     )
 
@@ -338,17 +336,17 @@ def state_query(plan: Plan, window: Window, types: dict) -> str:
 def aggregate_change(plan: Plan, window: Window) -> Optional[str]:
     """An aggregate plan's per-group change of the window (None: no source of the
     plan changed): the MERGE's source, which a MIN/MAX refresh computes once and
-    hands to both recompute_probe and merge_statement as ``change``."""
+    hands to both recompute_groups and merge_statement as ``change``."""
     return _aggregate_change(plan, window) if plan.kind == AGGREGATE else None
 
 
-def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompute: bool = True,
+def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompute: Optional[str] = None,
                     change: Optional[str] = None) -> Optional[str]:
     """The one MERGE applying the window's changes to the state; None if no
-    source the plan reads changed. ``recompute=False``: no MIN/MAX group runs
-    out of its top-k in this window (see recompute_probe), so no source snapshot
-    is read. ``change``: a query returning aggregate_change's rows (computed
-    already)."""
+    source the plan reads changed. ``recompute``: a query returning the MIN/MAX
+    groups to recompute from the new snapshot (recompute_groups' rows); None when
+    there are none, and then no source snapshot is read. ``change``: a query
+    returning aggregate_change's rows (computed already)."""
     if plan.kind == AGGREGATE:
         return _aggregate_merge(plan, state, window, types, recompute, change)
     return _bag_merge(plan, state, window)

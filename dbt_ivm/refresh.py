@@ -727,23 +727,32 @@ class Refresher:
         result.changed_sources = [s.name for s in sources if window.changed(s)]
         change = apply.aggregate_change(plan, window) if plan.has_minmax else None
         if change is None:
-            self._apply(plan, sources, watermark, result, window, None)
+            self._apply(plan, sources, watermark, result, window, None, None, 0)
             return
-        # MIN/MAX: the per-group change is computed once, cached, and read twice:
-        # by a cheap read-only count of the groups whose kept top-k this window
-        # empties, then by the MERGE (which reads snapshots only if there are any).
-        view = f"{PREFIX}change_{self.run_id}"
-        self.ex.query(f"CACHE TABLE {view} AS {change}")
+        # MIN/MAX: the per-group change is computed once and cached; from it and
+        # the state, the groups whose kept top-k this window empties (cached
+        # too, nearly always none); the MERGE reads both, and snapshots only for
+        # those groups. Temporary views of this session, dropped after the write.
+        views: list[str] = []
+
+        def cached(name: str, query: str) -> str:
+            view = f"{PREFIX}{name}_{self.run_id}"
+            self.ex.query(f"CACHE TABLE {view} AS {query}")
+            views.append(view)
+            return f"SELECT * FROM {view}"
+
         try:
-            self._apply(plan, sources, watermark, result, window, f"SELECT * FROM {view}")
+            change = cached("change", change)
+            groups = cached("recompute", apply.recompute_groups(plan, self.state, window, change))
+            count = int(self.ex.query(f"SELECT count(*) FROM ({groups}) AS {PREFIX}g")[0][0])
+            self._apply(plan, sources, watermark, result, window, change, groups if count else None, count)
         finally:
-            self.ex.query(f"DROP VIEW IF EXISTS {view}")
+            for view in views:
+                self.ex.query(f"DROP VIEW IF EXISTS {view}")
 
     def _apply(self, plan: Plan, sources, watermark: Watermark, result: Result, window: Window,
-               change: Optional[str]) -> None:
-        probe = apply.recompute_probe(plan, self.state, window, change)
-        recompute = int(self.ex.query(probe)[0][0]) if probe else 0
-        merge = apply.merge_statement(plan, self.state, window, watermark.columns, recompute > 0, change)
+               change: Optional[str], groups: Optional[str], recompute: int) -> None:
+        merge = apply.merge_statement(plan, self.state, window, watermark.columns, groups, change)
         wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns)
         if merge is None:
             return

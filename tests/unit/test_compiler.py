@@ -86,21 +86,24 @@ def _minmax_plan():
 def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
     import sqlglot
 
-    from dbt_ivm.apply import merge_statement, recompute_probe
+    from dbt_ivm.apply import merge_statement, recompute_groups
     from dbt_ivm.delta import Window
 
     plan = _minmax_plan()
     window = Window(old={"db.a": 2}, new={"db.a": 3}, broadcast=True)
     types = {"i": "int", "mn": "int", "mx": "double", "n": "bigint"}
-    probe = recompute_probe(plan, "db.s", window)
-    merge = merge_statement(plan, "db.s", window, types, recompute=False)
-    full = merge_statement(plan, "db.s", window, types, recompute=True)
+    probe = recompute_groups(plan, "db.s", window)
+    merge = merge_statement(plan, "db.s", window, types)
+    full = merge_statement(plan, "db.s", window, types, recompute="SELECT * FROM groups_view")
     for statement in (probe, merge, full):
         sqlglot.parse_one(statement, read="spark")  # well-formed
     # the probe and the plain MERGE read the change and the state, never a snapshot
     assert "VERSION AS OF" not in probe and "VERSION AS OF" not in merge
     assert "TABLE_CHANGES" in probe.upper() and "__ivm_a1_rm > 0" in probe
-    assert "VERSION AS OF 3" in full  # the recompute reads the pinned snapshot
+    assert probe.startswith("SELECT /*+ BROADCAST(a) */ t.`__ivm_k0`, TRUE AS __ivm_rc FROM")
+    # the recompute reads the pinned snapshot, for the given groups only, and no state
+    assert "VERSION AS OF 3" in full and "SELECT * FROM groups_view" in full
+    assert "`db`.`s`" not in full.split(" USING ", 1)[1]
     # no MIN/MAX, no probe
     cat = Catalog({"db.a": Source("db.a", (("i", "int"),), kind="delta", version=3, cdf=True)})
-    assert recompute_probe(build_plan("select i, count(*) as n from db.a group by i", cat), "db.s", window) is None
+    assert recompute_groups(build_plan("select i, count(*) as n from db.a group by i", cat), "db.s", window) is None
