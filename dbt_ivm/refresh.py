@@ -651,12 +651,10 @@ class Refresher:
         """Set the state table's properties that differ from what the last
         watermark recorded (a metadata-only commit, made before the refresh's one
         write; harmless when repeated)."""
-        had = {
-            "delta.enableChangeDataFeed": "false" if old is not None and old.change_feed is False else "true",
-            "delta.enableDeletionVectors": "true" if old is not None and old.deletion_vectors else "false",
+        had = {} if old is None else {  # unrecorded: what the state tables of older versions had
+            "delta.enableChangeDataFeed": "false" if old.change_feed is False else "true",
+            "delta.enableDeletionVectors": "true" if old.deletion_vectors else "false",
         }
-        if old is None:
-            had = {}
         wanted = {k: v for k, v in self._state_properties().items() if had.get(k) != v}
         if wanted:
             props = ", ".join(f"'{k}' = '{v}'" for k, v in wanted.items())
