@@ -1,4 +1,5 @@
-"""The state table's physical upkeep: deletion vectors and compaction.
+"""The state table's physical upkeep: deletion vectors (``ivm_deletion_vectors``)
+and compaction.
 
 A MERGE into a state with deletion vectors marks the rows it replaces instead of
 rewriting every file it touches (a small change spread over a big state touches
@@ -32,7 +33,7 @@ def project(tmp_path_factory):
             schema: {SRC}
             tables: [{{name: t}}]
     """)
-    p.write("models/base.sql", "{{ config(materialized='incremental_mv') }}\n"
+    p.write("models/base.sql", "{{ config(materialized='incremental_mv', ivm_deletion_vectors=true) }}\n"
             "select k, sum(v) as s, count(*) as n, min(v) as lo, max(v) as hi "
             "from {{ source('src', 't') }} group by k")
     p.write("models/top.sql", "{{ config(materialized='incremental_mv') }}\n"
@@ -57,6 +58,7 @@ def test_deletion_vectors_then_compaction_every_few_merges(project, monkeypatch)
     out = project.dbt("run")
     assert out.code("base") == "CREATE" and out.code("top") == "CREATE"
     assert table_properties(f"{OUT}.base__ivm_state").get("delta.enableDeletionVectors") == "true"
+    assert table_properties(f"{OUT}.top__ivm_state").get("delta.enableDeletionVectors") == "false"  # the default
     compacted = []
     for step in range(COMPACT_AFTER + 1):
         # a few of the 101 groups change: the MERGE marks their old state rows

@@ -236,18 +236,26 @@ class _Recorder:
         return []
 
 
-@pytest.mark.parametrize("dependents,change_feed,dvs,expected", [
-    (True, None, None, "('delta.enableDeletionVectors' = 'true')"),  # written before DVs: switched on once
-    (False, None, True, "('delta.enableChangeDataFeed' = 'false')"),  # no reader any more
-    (True, False, True, "('delta.enableChangeDataFeed' = 'true')"),
-    (False, False, True, None),  # as recorded: nothing to do
+@pytest.mark.parametrize("config,change_feed,dvs,expected", [
+    ({"ivm_mv_dependents": True, "ivm_deletion_vectors": True}, None, None,
+     "('delta.enableDeletionVectors' = 'true')"),  # written before DVs were recorded: off then
+    ({}, None, None, "('delta.enableChangeDataFeed' = 'false')"),  # no reader any more
+    ({"ivm_mv_dependents": True}, False, False, "('delta.enableChangeDataFeed' = 'true')"),
+    ({"ivm_deletion_vectors": "false"}, False, True, "('delta.enableDeletionVectors' = 'false')"),
+    ({"ivm_deletion_vectors": "true"}, False, True, None),  # as recorded: nothing to do
 ])
-def test_state_properties_are_set_only_where_the_watermark_differs(dependents, change_feed, dvs, expected):
+def test_state_properties_are_set_only_where_the_watermark_differs(config, change_feed, dvs, expected):
     from dbt_ivm.refresh import Refresher
 
     ex = _Recorder()
-    r = Refresher(ex, "select 1", "db.m", {"ivm_mv_dependents": dependents}, False)
+    r = Refresher(ex, "select 1", "db.m", config, False)
     old = wm()
     old.change_feed, old.deletion_vectors = change_feed, dvs
     r._set_properties(old)
     assert ex.sql == ([] if expected is None else [f"ALTER TABLE `db`.`m__ivm_state` SET TBLPROPERTIES {expected}"])
+
+
+def test_invalid_deletion_vectors_value_names_the_valid_values():
+    assert validate_config({})["ivm_deletion_vectors"] is False
+    with pytest.raises(IvmConfigError, match=r"Invalid ivm_deletion_vectors provided: 'auto'.*true .*false"):
+        validate_config({"ivm_deletion_vectors": "auto"})
