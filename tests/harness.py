@@ -130,6 +130,11 @@ class DbtProject:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text).lstrip())
 
+    def write_sources(self, schema: str, *tables: str, name: str = "src") -> None:
+        """models/sources.yml declaring ``tables`` of ``schema`` as source ``name``."""
+        self.write("models/sources.yml", yaml.safe_dump({"version": 2, "sources": [
+            {"name": name, "schema": schema, "tables": [{"name": t} for t in tables]}]}))
+
     def dbt(self, *args: str) -> RunOutcome:
         from dbt.cli.main import dbtRunner
 

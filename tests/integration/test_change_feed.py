@@ -26,13 +26,7 @@ def project(tmp_path_factory):
     fresh_schemas(OUT, SRC)
     sql(f"create table {SRC}.t (k int, v int) using delta tblproperties (delta.enableChangeDataFeed = true)")
     sql(f"insert into {SRC}.t select id % 7, id from range(0, 100)")
-    p.write("models/sources.yml", f"""
-        version: 2
-        sources:
-          - name: src
-            schema: {SRC}
-            tables: [{{name: t}}]
-    """)
+    p.write_sources(SRC, "t")
     p.write("models/base.sql", "{{ config(materialized='incremental_mv') }}\n"
             "select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k")
     return p

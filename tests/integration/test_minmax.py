@@ -24,13 +24,7 @@ def project(tmp_path_factory):
     # group a: v = 1..N; group b: v = 1..N twice (duplicates); d mirrors v with NULLs
     sql(f"insert into {SRC}.t select 'a', id, if(id % 5 = 0, null, id / 2.0) from range(1, {N + 1})")
     sql(f"insert into {SRC}.t select 'b', id % {N} + 1, id from range(0, {2 * N})")
-    p.write("models/sources.yml", f"""
-        version: 2
-        sources:
-          - name: src
-            schema: {SRC}
-            tables: [{{name: t}}]
-    """)
+    p.write_sources(SRC, "t")
     p.write("models/mm.sql", "{{ config(materialized='incremental_mv') }}\n"
             "select g, min(v) as mn, max(v) as mx, min(d) as dmn, max(d) as dmx, count(*) as n "
             "from {{ source('src', 't') }} group by g")
