@@ -65,6 +65,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=10_000_000, help="fact rows in bench.orders (default 10,000,000)")
     p.add_argument("--change", type=float, default=0.001,
                    help="fraction of fact rows changed per repeat (default 0.001 = 0.1%%)")
+    p.add_argument("--pattern", choices=("uniform", "clustered"), default="uniform",
+                   help="which existing rows the deletes and updates pick: uniform (rows drawn by a "
+                        "hash of the key and the round, spread over all customers; default) or "
+                        "clustered (every row of a few customers: key residues that select whole "
+                        "customers, so MIN/MAX groups lose all their kept extremes)")
     p.add_argument("--repeats", type=int, default=2, help="change + incremental + full rounds (default 2)")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed change + incremental rounds before the timed ones, so the first "
@@ -207,7 +212,8 @@ class Bench:
     def apply_change(self, rep: int) -> dict:
         """Change ~--change of the fact rows in three DML statements: 70% inserts,
         20% deletes, 10% updates (price always; customer for every 4th updated row).
-        Deletes and updates are spread over the whole key range (every data file)."""
+        Deletes and updates pick rows over the whole key range (every data file),
+        as --pattern says (see _pick)."""
         total = max(int(round(self.n_rows * self.args.change)), 10)
         n_ins = int(round(total * 0.7))
         n_del = int(round(total * 0.2))
@@ -217,16 +223,12 @@ class Bench:
 
         self.sql(f"insert into {table} {self._orders_select(self.next_key, self.next_key + n_ins)}")
         self.next_key += n_ins
-        # The residues move with the repeat, so each round touches other original rows.
-        d_stride = max(self.n_rows // n_del, 2)
-        self.sql(f"delete from {table} where o_orderkey <= {self.n_rows} "
-                 f"and o_orderkey % {d_stride} = {(2 * rep + 1) % d_stride}")
-        u_stride = max(self.n_rows // n_upd, 2)
+        self.sql(f"delete from {table} where o_orderkey <= {self.n_rows} and {self._pick(n_del, 2 * rep + 1)}")
         self.sql(f"""
             update {table}
             set o_totalprice = cast(o_totalprice + 1.25 as decimal(12, 2)),
                 o_custkey = case when o_orderkey % 4 = 0 then o_custkey % {self.n_customers} + 1 else o_custkey end
-            where o_orderkey <= {self.n_rows} and o_orderkey % {u_stride} = {(2 * rep + 2) % u_stride}""")
+            where o_orderkey <= {self.n_rows} and {self._pick(n_upd, 2 * rep + 2)}""")
         after = self.version(table)
         counts = {r[0]: r[1] for r in self.sql(
             f"select _change_type, count(*) from table_changes('{table}', {before + 1}, {after}) group by 1")}
@@ -236,6 +238,18 @@ class Bench:
             "updated": counts.get("update_postimage", 0),
             "total": counts.get("insert", 0) + counts.get("delete", 0) + counts.get("update_postimage", 0),
         }
+
+    def _pick(self, n: int, salt: int) -> str:
+        """A predicate on o_orderkey choosing about n of the original rows.
+        uniform: a hash of the key and ``salt`` (the round), so each round picks
+        other rows, spread over every data file and customer. clustered: a key
+        residue; as o_custkey is a multiple of the key modulo the customer count
+        and the stride divides it, the residue picks every order of
+        n_rows/stride customers (whole customers deleted or moved)."""
+        stride = max(self.n_rows // n, 2)
+        if self.args.pattern == "clustered":
+            return f"o_orderkey % {stride} = {salt % stride}"
+        return f"pmod(xxhash64(o_orderkey, {salt}), {stride}) = 0"
 
     def body(self, model: str) -> str:
         return MODELS[model].replace("{{ source('bench', 'orders') }}", f"{SOURCE_SCHEMA}.orders") \
@@ -268,7 +282,8 @@ def loud(msg: str) -> None:
 
 def fmt_resp(resp: dict, wall: float) -> str:
     reason = f" [{resp.get('reason')}]" if resp.get("reason") else ""
-    return f"{resp.get('code')}{reason} {resp.get('seconds') or 0:.2f}s (wall {wall:.2f}s) rows={resp.get('rows')}"
+    write = f" by {resp.get('state_write')}" if resp.get("state_write") else ""
+    return f"{resp.get('code')}{write}{reason} {resp.get('seconds') or 0:.2f}s (wall {wall:.2f}s) rows={resp.get('rows')}"
 
 
 def main() -> None:
@@ -385,7 +400,8 @@ def render(b: Bench, args, timings: dict, problems: list, gen_s: float, total_s:
         f"- date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- command: `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`",
         f"- bench.orders: {b.n_rows:,} rows; bench.customer: {b.n_customers:,} rows (generated in {gen_s:.1f}s)",
-        f"- change per repeat: {args.change:.3%} of the fact rows (70% inserts, 20% deletes, 10% updates); "
+        f"- change per repeat: {args.change:.3%} of the fact rows (70% inserts, 20% deletes, 10% updates; "
+        f"rows picked {args.pattern}); "
         f"repeats: {args.repeats} (medians shown), after {args.warmup} untimed warm-up round(s)",
         f"- Spark {spark.version}, master {spark.sparkContext.master}, driver memory {args.driver_memory}, "
         f"shuffle partitions {args.shuffle_partitions}; {os.cpu_count()} CPUs, {platform.machine()}",

@@ -30,6 +30,13 @@ from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, build_plan, referenced_ta
 CREATE, NOOP, INCREMENTAL, PARTITION, FULL = "CREATE", "NOOP", "INCREMENTAL", "PARTITION", "FULL"
 POLICIES = ("auto", "incremental", "partition", "full")
 CHANGE_FEED = ("auto", "true", "false")
+DELETION_VECTORS = ("auto", "true", "false")
+# ivm_deletion_vectors='auto' turns them on once the state table is this big. A
+# MERGE into a state with deletion vectors marks the rows it replaces instead of
+# rewriting every file it touches: measured (BENCHMARKS.md) ~1 s cheaper on a
+# 2.5 MB state, 35-50 % on 20-50 MB states, and 0.3-1 s dearer on states of
+# 1.7 MB and less.
+DV_AUTO_BYTES = 2 << 20
 # Changes up to this many rows are broadcast into joins (see delta.Window.broadcast).
 BROADCAST_ROWS = 500_000
 STATE_SUFFIX = "__ivm_state"
@@ -165,15 +172,15 @@ def validate_config(config: dict) -> dict:
             "true, false."
         )
     dvs = config.get("ivm_deletion_vectors")
-    dvs = "false" if dvs is None else str(dvs).lower()
-    if dvs not in ("true", "false"):
+    dvs = "auto" if dvs is None else str(dvs).lower()
+    if dvs not in DELETION_VECTORS:
         raise IvmConfigError(
             f"Invalid ivm_deletion_vectors provided: {config.get('ivm_deletion_vectors')!r}. "
-            "Expected true (worth it for state tables of about a million rows or more) or false."
+            f"Expected one of: auto (on once the state table reaches {DV_AUTO_BYTES >> 20} MB), true, false."
         )
     return {
         "ivm_policy": policy, "ivm_full_threshold": threshold, "ivm_change_feed": feed,
-        "ivm_deletion_vectors": dvs == "true",
+        "ivm_deletion_vectors": dvs,
         # set by the materialization from the dbt graph, not by users
         "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
     }
@@ -527,8 +534,9 @@ class Refresher:
         self.change_feed = feed == "true" or (feed == "auto" and self.config["ivm_mv_dependents"])
         # Deletion vectors make a MERGE into a big state cheaper (it marks the rows
         # it replaces instead of rewriting the files it touches) and one into a
-        # small state dearer (~1 s here); off unless asked for.
-        self.deletion_vectors = self.config["ivm_deletion_vectors"]
+        # small state dearer; 'auto' is settled by the state's size (_settle_dvs).
+        dvs = self.config["ivm_deletion_vectors"]
+        self.deletion_vectors: Optional[bool] = None if dvs == "auto" else dvs == "true"
 
     def run(self) -> Result:
         start = time.time()
@@ -566,6 +574,7 @@ class Refresher:
                 # upstream MERGE that changed no row): nothing to write. The
                 # watermark stays; the empty range is re-read cheaply next time.
                 decision = Decision(NOOP, Reason("NO_ROW_CHANGES", "sources have new versions but no changed rows"))
+        self._settle_dvs(watermark, decision.strategy == INCREMENTAL)
         result = Result(decision.strategy, decision.reason)
         result.sizes = {n: c for n, (c, _) in sizes.items()}
         if decision.strategy == INCREMENTAL:
@@ -648,6 +657,27 @@ class Refresher:
             f"TBLPROPERTIES ('{PROP_STATE}' = '{self.state}', '{PROP_KIND}' = '{kind}') "
             f"AS {apply.view_query(kind, columns, self.state)}"
         )
+
+    def _settle_dvs(self, old: Optional[Watermark], incremental: bool) -> None:
+        """ivm_deletion_vectors='auto': on once the state reaches DV_AUTO_BYTES
+        (looked up before an incremental write while they are off; once on they
+        stay on). A rebuild keeps what the state had."""
+        if self.deletion_vectors is not None:
+            return
+        self.deletion_vectors = bool(old and old.deletion_vectors)
+        if incremental and not self.deletion_vectors:
+            size = self._state_bytes()
+            self.deletion_vectors = size is not None and size >= DV_AUTO_BYTES
+
+    def _state_bytes(self) -> Optional[int]:
+        """The state table's size now (Delta's metadata; no data read)."""
+        try:
+            row = self.ex.query(f"DESCRIBE DETAIL {quote(self.state)}")[0]
+            # format, id, name, description, location, createdAt, lastModified,
+            # partitionColumns, clusteringColumns, numFiles, sizeInBytes, ...
+            return int(row[10])
+        except Exception:  # noqa: BLE001 - unknown: leave deletion vectors off this time
+            return None
 
     def _state_properties(self) -> dict:
         """The Delta properties the state table should have. With deletion

@@ -1,5 +1,5 @@
-"""The state table's physical upkeep: deletion vectors (``ivm_deletion_vectors``)
-and compaction.
+"""The state table's physical upkeep: deletion vectors (``ivm_deletion_vectors``:
+true, or auto once the state is big enough) and compaction.
 
 A MERGE into a state with deletion vectors marks the rows it replaces instead of
 rewriting every file it touches (a small change spread over a big state touches
@@ -52,7 +52,7 @@ def test_deletion_vectors_then_compaction_every_few_merges(project, monkeypatch)
     out = project.dbt("run")
     assert out.code("base") == "CREATE" and out.code("top") == "CREATE"
     assert table_properties(f"{OUT}.base__ivm_state").get("delta.enableDeletionVectors") == "true"
-    assert table_properties(f"{OUT}.top__ivm_state").get("delta.enableDeletionVectors") == "false"  # the default
+    assert table_properties(f"{OUT}.top__ivm_state").get("delta.enableDeletionVectors") == "false"  # auto, small
     compacted = []
     for step in range(COMPACT_AFTER + 1):
         # a few of the 101 groups change: the MERGE marks their old state rows
@@ -76,3 +76,32 @@ def test_deletion_vectors_then_compaction_every_few_merges(project, monkeypatch)
     merges = [r for r in history if r.operation == "MERGE"]
     assert all(int(r.operationMetrics["numTargetDeletionVectorsAdded"]) > 0 for r in merges), [
         r.operationMetrics for r in merges]
+
+
+def test_auto_deletion_vectors_turn_on_with_the_state_size(project, monkeypatch):
+    """top has the default ivm_deletion_vectors='auto': off while its state is
+    small; on from the first refresh that finds it at least DV_AUTO_BYTES (lowered
+    here to one byte: the lookup and the switch are the same code)."""
+    state = f"{OUT}.top__ivm_state"
+    assert table_properties(state).get("delta.enableDeletionVectors") == "false"  # a few KB: left off
+    monkeypatch.setattr(refresh, "DV_AUTO_BYTES", 1)
+    sql(f"update {SRC}.t set v = v + 7 where v % 211 = 3")
+    out = project.dbt("run")
+    _check(out)
+    assert out.code("top") == "INCREMENTAL", out.response("top")
+    assert table_properties(state).get("delta.enableDeletionVectors") == "true"
+    _, wm = refresh.read_watermark(refresh_executor(), state)
+    assert wm.deletion_vectors is True
+    monkeypatch.setattr(refresh, "DV_AUTO_BYTES", 1 << 40)  # once on, they stay on
+    sql(f"update {SRC}.t set v = v + 7 where v % 211 = 4")
+    out = project.dbt("run")
+    _check(out)
+    assert table_properties(state).get("delta.enableDeletionVectors") == "true"
+
+
+def refresh_executor():
+    class _Ex:
+        def query(self, statement):
+            return [tuple(r) for r in sql(statement)]
+
+    return _Ex()

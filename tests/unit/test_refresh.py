@@ -256,6 +256,41 @@ def test_state_properties_are_set_only_where_the_watermark_differs(config, chang
 
 
 def test_invalid_deletion_vectors_value_names_the_valid_values():
-    assert validate_config({})["ivm_deletion_vectors"] is False
-    with pytest.raises(IvmConfigError, match=r"Invalid ivm_deletion_vectors provided: 'auto'.*true .*false"):
-        validate_config({"ivm_deletion_vectors": "auto"})
+    assert validate_config({})["ivm_deletion_vectors"] == "auto"
+    assert validate_config({"ivm_deletion_vectors": True})["ivm_deletion_vectors"] == "true"
+    with pytest.raises(IvmConfigError, match=r"Invalid ivm_deletion_vectors provided: 'yes'.*auto .*true, false"):
+        validate_config({"ivm_deletion_vectors": "yes"})
+
+
+class _Detail(_Recorder):
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+
+    def query(self, statement):
+        self.sql.append(statement)
+        if self.size is None:
+            raise RuntimeError("no such table")
+        return [("delta", "id", "db.m__ivm_state", None, "file:/x", None, None, [], [], 3, self.size)]
+
+
+@pytest.mark.parametrize("setting,had,incremental,size,expected,looked", [
+    ("auto", None, True, 3 << 20, True, True),  # big enough: on
+    ("auto", None, True, 1 << 20, False, True),  # small: off
+    ("auto", None, True, None, False, True),  # size unknown: off this time
+    ("auto", True, True, 1 << 20, True, False),  # once on, they stay on: no lookup
+    ("auto", None, False, 3 << 20, False, False),  # a rebuild keeps what the state had
+    ("auto", True, False, None, True, False),
+    ("false", None, True, 3 << 20, False, False),  # told
+    ("true", None, True, 1 << 10, True, False),
+])
+def test_auto_deletion_vectors_follow_the_state_size(setting, had, incremental, size, expected, looked):
+    from dbt_ivm.refresh import Refresher
+
+    ex = _Detail(size)
+    r = Refresher(ex, "select 1", "db.m", {"ivm_deletion_vectors": setting}, False)
+    old = wm()
+    old.deletion_vectors = had
+    r._settle_dvs(old, incremental)
+    assert r.deletion_vectors is expected
+    assert ex.sql == (["DESCRIBE DETAIL `db`.`m__ivm_state`"] if looked else [])
