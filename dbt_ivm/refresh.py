@@ -31,11 +31,12 @@ CREATE, NOOP, INCREMENTAL, PARTITION, FULL = "CREATE", "NOOP", "INCREMENTAL", "P
 POLICIES = ("auto", "incremental", "partition", "full")
 CHANGE_FEED = ("auto", "true", "false")
 DELETION_VECTORS = ("auto", "true", "false")
-# ivm_deletion_vectors='auto' turns them on once the state table is this big. A
+# ivm_deletion_vectors='auto' turns them on once a commit of the state table
+# wrote this much (written_bytes; a rebuild writes all of it). A
 # MERGE into a state with deletion vectors marks the rows it replaces instead of
 # rewriting every file it touches: measured (BENCHMARKS.md) ~1 s cheaper on a
-# 2.5 MB state, 35-50 % on 20-50 MB states, and 0.3-1 s dearer on states of
-# 1.7 MB and less.
+# 2.4 MiB state, 35-50 % on 26-46 MiB states, and 0.3-1 s dearer on states of
+# 1.6 MiB and less.
 DV_AUTO_BYTES = 2 << 20
 # Changes up to this many rows are broadcast into joins (see delta.Window.broadcast).
 BROADCAST_ROWS = 500_000
@@ -64,7 +65,7 @@ class Decision:
 
 
 # Watermark fields filled in when it is read back, never stored.
-_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges"})
+_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes"})
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Watermark:
     state_version: Optional[int] = None  # filled in when read back: the state table's current version
     commit_version: Optional[int] = None  # ... and the version of the commit that holds this watermark
     dv_merges: int = 0  # ... and the MERGEs that left deletion vectors since the state was last rewritten
+    written_bytes: int = 0  # ... and the most bytes one of its recent commits wrote (see written_bytes)
 
     def versions(self) -> dict:
         return {s["physical"]: s["version"] for s in self.sources if s["version"] is not None}
@@ -176,7 +178,7 @@ def validate_config(config: dict) -> dict:
     if dvs not in DELETION_VECTORS:
         raise IvmConfigError(
             f"Invalid ivm_deletion_vectors provided: {config.get('ivm_deletion_vectors')!r}. "
-            f"Expected one of: auto (on once the state table reaches {DV_AUTO_BYTES >> 20} MB), true, false."
+            f"Expected one of: auto (on once the state table is {DV_AUTO_BYTES >> 20} MiB), true, false."
         )
     return {
         "ivm_policy": policy, "ivm_full_threshold": threshold, "ivm_change_feed": feed,
@@ -443,7 +445,7 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
             wm = Watermark.from_json(row[13] if len(row) > 13 else None)
             if wm is not None:
                 wm.state_version, wm.commit_version = current, int(row[0])
-                wm.dv_merges = dv_merges(rows)
+                wm.dv_merges, wm.written_bytes = dv_merges(rows), written_bytes(rows)
                 return current, wm
         if limit and len(rows) < 20:
             break
@@ -481,6 +483,34 @@ def dv_merges(history: list[tuple]) -> int:
                 added = 0
             n += added > 0
     return n
+
+
+_BYTES_WRITTEN = ("numOutputBytes", "numTargetBytesAdded", "numAddedBytes")
+
+
+def written_bytes(history: list[tuple]) -> int:
+    """The most bytes any one of the given commits wrote (DESCRIBE HISTORY rows).
+    A rebuild writes the whole state and a MERGE without deletion vectors
+    rewrites every file it touches, so this tells a big state from a small one
+    without a query: a lower bound of its size that reaches it whenever the
+    state was rebuilt or a change touched most of it.
+
+    >>> written_bytes([(2, None, None, None, "MERGE", {}, None, None, None, 1, None, False,
+    ...                 {"numTargetBytesAdded": "4096"}),
+    ...                (1, None, None, None, "SET TBLPROPERTIES", {}, None, None, None, 0, None, True, {}),
+    ...                (0, None, None, None, "CREATE TABLE AS SELECT", {}, None, None, None, None, None, True,
+    ...                 {"numOutputBytes": "9000"})])
+    9000
+    """
+    most = 0
+    for row in history:
+        metrics = _as_map(row[12] if len(row) > 12 else None)
+        for key in _BYTES_WRITTEN:
+            try:
+                most = max(most, int(str(metrics.get(key) or 0).strip('"')))
+            except ValueError:
+                pass
+    return most
 
 
 def relations_present(ex: Executor, names: list[str]) -> set[str]:
@@ -659,25 +689,15 @@ class Refresher:
         )
 
     def _settle_dvs(self, old: Optional[Watermark], incremental: bool) -> None:
-        """ivm_deletion_vectors='auto': on once the state reaches DV_AUTO_BYTES
-        (looked up before an incremental write while they are off; once on they
-        stay on). A rebuild keeps what the state had."""
+        """ivm_deletion_vectors='auto': on from the first incremental refresh that
+        finds the state big (one of its recent commits wrote DV_AUTO_BYTES or
+        more: read from the history the watermark came from, no query); once on,
+        they stay on. A rebuild keeps what the state had."""
         if self.deletion_vectors is not None:
             return
         self.deletion_vectors = bool(old and old.deletion_vectors)
-        if incremental and not self.deletion_vectors:
-            size = self._state_bytes()
-            self.deletion_vectors = size is not None and size >= DV_AUTO_BYTES
-
-    def _state_bytes(self) -> Optional[int]:
-        """The state table's size now (Delta's metadata; no data read)."""
-        try:
-            row = self.ex.query(f"DESCRIBE DETAIL {quote(self.state)}")[0]
-            # format, id, name, description, location, createdAt, lastModified,
-            # partitionColumns, clusteringColumns, numFiles, sizeInBytes, ...
-            return int(row[10])
-        except Exception:  # noqa: BLE001 - unknown: leave deletion vectors off this time
-            return None
+        if incremental and old is not None and not self.deletion_vectors:
+            self.deletion_vectors = old.written_bytes >= DV_AUTO_BYTES
 
     def _state_properties(self) -> dict:
         """The Delta properties the state table should have. With deletion

@@ -262,35 +262,39 @@ def test_invalid_deletion_vectors_value_names_the_valid_values():
         validate_config({"ivm_deletion_vectors": "yes"})
 
 
-class _Detail(_Recorder):
-    def __init__(self, size):
-        super().__init__()
-        self.size = size
-
-    def query(self, statement):
-        self.sql.append(statement)
-        if self.size is None:
-            raise RuntimeError("no such table")
-        return [("delta", "id", "db.m__ivm_state", None, "file:/x", None, None, [], [], 3, self.size)]
-
-
-@pytest.mark.parametrize("setting,had,incremental,size,expected,looked", [
-    ("auto", None, True, 3 << 20, True, True),  # big enough: on
-    ("auto", None, True, 1 << 20, False, True),  # small: off
-    ("auto", None, True, None, False, True),  # size unknown: off this time
-    ("auto", True, True, 1 << 20, True, False),  # once on, they stay on: no lookup
-    ("auto", None, False, 3 << 20, False, False),  # a rebuild keeps what the state had
-    ("auto", True, False, None, True, False),
-    ("false", None, True, 3 << 20, False, False),  # told
-    ("true", None, True, 1 << 10, True, False),
+@pytest.mark.parametrize("setting,had,incremental,written,expected", [
+    ("auto", None, True, 3 << 20, True),  # a recent commit wrote 3 MiB: on
+    ("auto", None, True, 1 << 20, False),  # small: off
+    ("auto", True, True, 0, True),  # once on, they stay on
+    ("auto", None, False, 3 << 20, False),  # a rebuild keeps what the state had
+    ("auto", True, False, 0, True),
+    ("false", None, True, 3 << 20, False),  # told
+    ("true", None, True, 0, True),
 ])
-def test_auto_deletion_vectors_follow_the_state_size(setting, had, incremental, size, expected, looked):
+def test_auto_deletion_vectors_follow_the_state_size(setting, had, incremental, written, expected):
     from dbt_ivm.refresh import Refresher
 
-    ex = _Detail(size)
+    ex = _Recorder()
     r = Refresher(ex, "select 1", "db.m", {"ivm_deletion_vectors": setting}, False)
     old = wm()
-    old.deletion_vectors = had
+    old.deletion_vectors, old.written_bytes = had, written
     r._settle_dvs(old, incremental)
     assert r.deletion_vectors is expected
-    assert ex.sql == (["DESCRIBE DETAIL `db`.`m__ivm_state`"] if looked else [])
+    assert ex.sql == []  # decided from the history already read: no query
+
+
+def test_written_bytes_reads_every_writers_metric():
+    from dbt_ivm.refresh import written_bytes
+
+    def row(op, metrics):
+        return (1, None, None, None, op, {}, None, None, None, 0, None, False, metrics)
+
+    assert written_bytes([]) == 0
+    assert written_bytes([row("OPTIMIZE", {"numAddedBytes": "700", "numRemovedBytes": "900"}),
+                          row("WRITE", {"numOutputBytes": "500"}),
+                          row("MERGE", {"numTargetBytesAdded": "600", "numTargetBytesRemoved": "9999"})]) == 700
+    assert written_bytes([row("SET TBLPROPERTIES", {}), row("MERGE", {"numTargetBytesAdded": None})]) == 0
+    # read back, never stored
+    w = wm()
+    w.written_bytes = 5
+    assert "written_bytes" not in w.to_json()
