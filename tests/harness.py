@@ -58,6 +58,16 @@ def sql(statement: str) -> list:
     return spark().sql(statement).collect()
 
 
+class SessionExecutor:
+    """dbt_ivm's Executor over a Spark session (default: the shared one)."""
+
+    def __init__(self, session=None):
+        self.session = session
+
+    def query(self, statement: str) -> list[tuple]:
+        return [tuple(r) for r in (self.session or spark()).sql(statement).collect()]
+
+
 def fresh_schemas(out: str, src: str) -> None:
     """A test module's own schemas, empty: its models' ``out`` and its sources' ``src``."""
     sql(f"drop schema if exists {out} cascade")

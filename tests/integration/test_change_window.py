@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import DbtProject, check_model, fresh_schemas, sql
+from tests.harness import DbtProject, SessionExecutor, check_model, fresh_schemas, sql
 
 pytestmark = pytest.mark.spark
 
@@ -103,11 +103,7 @@ def test_a_change_of_most_rows_rebuilds(project):
 def _recorded_rows(model: str):
     from dbt_ivm.refresh import read_watermark
 
-    class _Ex:
-        def query(self, statement):
-            return [tuple(r) for r in sql(statement)]
-
-    _, wm = read_watermark(_Ex(), f"{OUT}.{model}__ivm_state")
+    _, wm = read_watermark(SessionExecutor(), f"{OUT}.{model}__ivm_state")
     return wm.sources[0]["rows"]
 
 

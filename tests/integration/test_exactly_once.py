@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import DbtProject, change_feed_of, check_model, spark, sql
+from tests.harness import DbtProject, SessionExecutor, change_feed_of, check_model, spark, sql
 
 pytestmark = pytest.mark.spark
 
@@ -110,14 +110,6 @@ def test_killed_refreshes_rerun_exactly(tmp_path):
     assert v["windows"] == 5 and v["operations"].count("MERGE") == 5, v
 
 
-class _SessionExecutor:
-    def __init__(self, session):
-        self.session = session
-
-    def query(self, statement: str) -> list[tuple]:
-        return [tuple(r) for r in self.session.sql(statement).collect()]
-
-
 def test_concurrent_refreshes_apply_a_change_once(tmp_path):
     from dbt_ivm.refresh import INCREMENTAL, NOOP, Refresher
 
@@ -152,7 +144,7 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path):
         barrier = threading.Barrier(2)
 
         def refresh():
-            ex = _SessionExecutor(spark().newSession())
+            ex = SessionExecutor(spark().newSession())
             barrier.wait()
             try:
                 config = {"ivm_change_feed": feed}

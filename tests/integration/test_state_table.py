@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from dbt_ivm import refresh
-from tests.harness import DbtProject, check_model, fresh_schemas, sql, table_properties
+from tests.harness import DbtProject, SessionExecutor, check_model, fresh_schemas, sql, table_properties
 
 pytestmark = pytest.mark.spark
 
@@ -80,8 +80,9 @@ def test_deletion_vectors_then_compaction_every_few_merges(project, monkeypatch)
 
 def test_auto_deletion_vectors_turn_on_with_the_state_size(project, monkeypatch):
     """top has the default ivm_deletion_vectors='auto': off while its state is
-    small; on from the first refresh that finds it at least DV_AUTO_BYTES (lowered
-    here to one byte: the lookup and the switch are the same code)."""
+    small; on from the first refresh after a commit of the state wrote at least
+    DV_AUTO_BYTES (lowered here to one byte: the reading of the history and the
+    switch are the same code)."""
     state = f"{OUT}.top__ivm_state"
     assert table_properties(state).get("delta.enableDeletionVectors") == "false"  # a few KB: left off
     monkeypatch.setattr(refresh, "DV_AUTO_BYTES", 1)
@@ -90,7 +91,7 @@ def test_auto_deletion_vectors_turn_on_with_the_state_size(project, monkeypatch)
     _check(out)
     assert out.code("top") == "INCREMENTAL", out.response("top")
     assert table_properties(state).get("delta.enableDeletionVectors") == "true"
-    _, wm = refresh.read_watermark(refresh_executor(), state)
+    _, wm = refresh.read_watermark(SessionExecutor(), state)
     assert wm.deletion_vectors is True
     monkeypatch.setattr(refresh, "DV_AUTO_BYTES", 1 << 40)  # once on, they stay on
     sql(f"update {SRC}.t set v = v + 7 where v % 211 = 4")
@@ -98,10 +99,3 @@ def test_auto_deletion_vectors_turn_on_with_the_state_size(project, monkeypatch)
     _check(out)
     assert table_properties(state).get("delta.enableDeletionVectors") == "true"
 
-
-def refresh_executor():
-    class _Ex:
-        def query(self, statement):
-            return [tuple(r) for r in sql(statement)]
-
-    return _Ex()
