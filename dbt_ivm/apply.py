@@ -159,9 +159,23 @@ def _merged_top(a, t: str, s: str) -> str:
     return f"CASE WHEN {s}.{a.col('rm')} >= {nn} THEN {ins} ELSE {merged} END"
 
 
-def _new_state(plan: Plan, t: Optional[str], types: dict) -> dict[str, str]:
+# raise_error's message when a MERGE finds a group whose top-k runs out (see
+# _guarded): the refresh then probes for such groups and recomputes them.
+RAN_OUT = "DBT_IVM_TOPK_RAN_OUT"
+
+
+def _guarded(a, merged: str) -> str:
+    """The merged top-k of a MERGE that runs without a recompute: an empty one for
+    a group that still has values fails the statement (nothing is committed), so
+    the optimistic MERGE can never write a wrong MIN/MAX."""
+    nn = f"(t.{a.col('nn')} + s.{a.col('nn')})"
+    return f"CASE WHEN size({merged}) = 0 AND {nn} > 0 THEN raise_error('{RAN_OUT}') ELSE {merged} END"
+
+
+def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False) -> dict[str, str]:
     """SQL for every state column after applying the change row ``s`` to the state
-    row ``t`` (``t`` None: there is no state row yet)."""
+    row ``t`` (``t`` None: there is no state row yet). ``guard``: there is no
+    recompute; a top-k that runs out fails the statement (_guarded)."""
     def plus(col: str) -> str:
         return f"(t.{col} + s.{col})" if t else f"s.{col}"
 
@@ -176,10 +190,12 @@ def _new_state(plan: Plan, t: Optional[str], types: dict) -> dict[str, str]:
             total = f"COALESCE(t.{a.col('sum')}, 0) + COALESCE(s.{a.col('sum')}, 0)" if t else f"s.{a.col('sum')}"
             out[a.col("sum")] = f"CASE WHEN {out[a.col('nn')]} = 0 THEN NULL ELSE {total} END"
         if a.func in ("min", "max"):
-            out[a.col("top")] = (
-                f"CASE WHEN s.{RC} THEN s.{a.col('rcv')} ELSE {_merged_top(a, 't', 's')} END"
-                if t else f"s.{a.col('ins')}"
-            )
+            if not t:
+                out[a.col("top")] = f"s.{a.col('ins')}"
+            elif guard:
+                out[a.col("top")] = _guarded(a, _merged_top(a, "t", "s"))
+            else:
+                out[a.col("top")] = f"CASE WHEN s.{RC} THEN s.{a.col('rcv')} ELSE {_merged_top(a, 't', 's')} END"
     visible = {}
     for name, expr in zip(plan.columns, plan.outputs):
         value = _finalize(plan, expr, out)
@@ -275,13 +291,12 @@ def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recomp
     if source is None:
         return None
     keys = plan.key_columns
+    # Without a recompute (recompute_groups found none, or was not asked), a
+    # group whose top-k runs out fails the MERGE (_guarded).
+    guard = plan.has_minmax and not recompute
     if plan.has_minmax and recompute:
         source = _with_recompute(plan, source, recompute, window)
-    elif plan.has_minmax:  # no group runs out (recompute_groups found none)
-        # the recompute columns are never read (the flag is false): any array of the right type
-        none = ", ".join(f"{m.col('ins')} AS {m.col('rcv')}" for m in _minmax(plan))
-        source = f"SELECT {PREFIX}n.*, FALSE AS {RC}, {none} FROM ({source}) AS {PREFIX}n"
-    new_t, new_s = _new_state(plan, "t", types), _new_state(plan, None, types)
+    new_t, new_s = _new_state(plan, "t", types, guard), _new_state(plan, None, types)
     sets = ", ".join(f"{quote(k)} = {v}" for k, v in new_t.items() if k not in keys)
     insert_cols = ", ".join(quote(k) for k in new_s)
     insert_vals = ", ".join(new_s.values())
@@ -344,8 +359,9 @@ def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompu
                     change: Optional[str] = None) -> Optional[str]:
     """The one MERGE applying the window's changes to the state; None if no
     source the plan reads changed. ``recompute``: a query returning the MIN/MAX
-    groups to recompute from the new snapshot (recompute_groups' rows); None when
-    there are none, and then no source snapshot is read. ``change``: a query
+    groups to recompute from the new snapshot (recompute_groups' rows). Without
+    it no source snapshot is read, and a group whose top-k runs out makes the
+    statement fail with RAN_OUT in its message, writing nothing. ``change``: a query
     returning aggregate_change's rows (computed already)."""
     if plan.kind == AGGREGATE:
         return _aggregate_merge(plan, state, window, types, recompute, change)

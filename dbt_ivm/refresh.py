@@ -86,6 +86,7 @@ class Watermark:
     commit_version: Optional[int] = None  # ... and the version of the commit that holds this watermark
     dv_merges: int = 0  # ... and the MERGEs that left deletion vectors since the state was last rewritten
     written_bytes: int = 0  # ... and the most bytes one of its recent commits wrote (see written_bytes)
+    recomputed: int = 0  # MIN/MAX groups its refresh recomputed (> 0: the next one probes first)
 
     def versions(self) -> dict:
         return {s["physical"]: s["version"] for s in self.sources if s["version"] is not None}
@@ -558,6 +559,7 @@ class Refresher:
         self.full_refresh = full_refresh
         self.run_id = uuid.uuid4().hex
         self.sized = False  # _change_sizes ran: self.source_rows holds the new versions' counts
+        self.recomputed = 0  # MIN/MAX groups this refresh recomputes (recorded in the watermark)
         # The state's own change feed costs every write ~30 %; it is kept only for
         # readers of it: incremental_mv models built on this one.
         feed = self.config["ivm_change_feed"]
@@ -657,6 +659,7 @@ class Refresher:
             ],
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
             change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
+            recomputed=self.recomputed,
         )
 
     def _rebuild(self, plan, sources, sig, decision, state_exists, old: Optional[Watermark]) -> None:
@@ -788,10 +791,22 @@ class Refresher:
         if change is None:
             self._apply(plan, sources, watermark, result, window, None, None, 0)
             return
-        # MIN/MAX: the per-group change is computed once and cached; from it and
+        # MIN/MAX, optimistic first: nearly always no group's kept top-k runs out,
+        # so the MERGE runs without a probe; if one does run out, the MERGE fails
+        # before it commits (apply.RAN_OUT) and the refresh probes. After a
+        # refresh that had to recompute groups, the next one probes first.
+        if not watermark.recomputed:
+            try:
+                self._apply(plan, sources, watermark, result, window, None, None, 0)
+                return
+            except Exception as e:
+                if apply.RAN_OUT not in str(e):
+                    raise
+                result.notes.append("a MIN/MAX group's kept values ran out: probed, then merged again")
+        # The probe: the per-group change is computed once and cached; from it and
         # the state, the groups whose kept top-k this window empties (cached
-        # too, nearly always none); the MERGE reads both, and snapshots only for
-        # those groups. Temporary views of this session, dropped after the write.
+        # too); the MERGE reads both, and snapshots only for those groups.
+        # Temporary views of this session, dropped after the write.
         views: list[str] = []
 
         def cached(name: str, query: str) -> str:
@@ -804,6 +819,7 @@ class Refresher:
             change = cached("change", change)
             groups = cached("recompute", apply.recompute_groups(plan, self.state, window, change))
             count = int(self.ex.query(f"SELECT count(*) FROM ({groups}) AS {PREFIX}g")[0][0])
+            self.recomputed = count
             self._apply(plan, sources, watermark, result, window, change, groups if count else None, count)
         finally:
             for view in views:

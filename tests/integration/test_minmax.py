@@ -75,6 +75,8 @@ def test_a_group_whose_prefix_runs_out_is_recomputed(project):
     assert _tops()["a"][0] == TOP_K  # refilled
     assert r["code"] == "INCREMENTAL"
     assert r["rows"]["recomputed_groups"] == 1, r  # only 'a': 'b' keeps values of its min and max
+    # the optimistic MERGE (no probe) found 'a' ran out, failed, wrote nothing; then probe + MERGE
+    assert "ran out: probed, then merged again" in r["_message"], r
 
 
 def test_groups_empty_and_come_back(project):

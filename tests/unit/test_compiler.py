@@ -101,6 +101,9 @@ def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
     assert "VERSION AS OF" not in probe and "VERSION AS OF" not in merge
     assert "TABLE_CHANGES" in probe.upper() and "__ivm_a1_rm > 0" in probe
     assert probe.startswith("SELECT /*+ BROADCAST(a) */ t.`__ivm_k0`, TRUE AS __ivm_rc FROM")
+    # without a recompute a run-out top-k fails the MERGE (nothing written); with one it cannot
+    from dbt_ivm.apply import RAN_OUT
+    assert merge.count(f"raise_error('{RAN_OUT}')") == 2 and RAN_OUT not in full
     # the recompute reads the pinned snapshot, for the given groups only, and no state
     assert "VERSION AS OF 3" in full and "SELECT * FROM groups_view" in full
     assert "`db`.`s`" not in full.split(" USING ", 1)[1]

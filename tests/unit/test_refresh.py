@@ -298,3 +298,49 @@ def test_written_bytes_reads_every_writers_metric():
     w = wm()
     w.written_bytes = 5
     assert "written_bytes" not in w.to_json()
+
+
+class _RanOut(_Recorder):
+    """A fake Spark: MERGEs without a recompute fail as a run-out top-k does;
+    the probe finds ``groups`` groups."""
+
+    def __init__(self, groups):
+        super().__init__()
+        self.groups = groups
+
+    def query(self, sql):
+        from dbt_ivm.apply import RAN_OUT
+
+        self.sql.append(sql)
+        if sql.startswith("MERGE") and "__ivm_g" not in sql and self.groups:
+            raise RuntimeError(f"[USER_RAISED_EXCEPTION] {RAN_OUT} SQLSTATE: P0001")
+        if sql.startswith("SELECT count(*)"):
+            return [(self.groups,)]
+        return [(1, 1, 0, 0)] if sql.startswith("MERGE") else []
+
+
+@pytest.mark.parametrize("last_recomputed,groups,expected", [
+    (0, 0, ["MERGE"]),  # optimistic: no probe at all
+    (0, 2, ["MERGE", "CACHE", "CACHE", "SELECT", "MERGE", "DROP", "DROP"]),  # ran out: probe, merge again
+    (3, 0, ["CACHE", "CACHE", "SELECT", "MERGE", "DROP", "DROP"]),  # the last refresh recomputed: probe first
+])
+def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, groups, expected):
+    from dbt_ivm.catalog import Catalog
+    from dbt_ivm.plan import build_plan
+    from dbt_ivm.refresh import Refresher, Result
+
+    src = Source("db.a", (("i", "int"), ("j", "int")), kind=DELTA, version=6, cdf=True)
+    sql_text = "select i, min(j) as mn from db.a group by i"
+    plan = build_plan(sql_text, Catalog({"db.a": src}))
+    old = Watermark("sig", "aggregate", sql_text, {"i": "int", "mn": "int"},
+                    [{"name": "db.a", "kind": "delta", "physical": "db.a", "multiplicity": None,
+                      "columns": [["i", "int"], ["j", "int"]], "version": 5}], recomputed=last_recomputed)
+    ex = _RanOut(groups)
+    r = Refresher(ex, sql_text, "db.m", {}, False)
+    result = Result(INCREMENTAL, None)
+    r._incremental(plan, [src], old, result, broadcast=True)
+    steps = [s.split()[0] for s in ex.sql if not s.startswith(("SET ", "RESET ", "ALTER TABLE"))]
+    assert steps == expected
+    assert result.rows.get("recomputed_groups") == (groups or None)
+    assert r.recomputed == groups  # what the written watermark records
+    assert bool(result.notes) == (last_recomputed == 0 and groups > 0)
