@@ -56,8 +56,9 @@ def _test_overrides() -> dict:
     statements over a few rows each, and compiling each plan's generated code
     cost more than running it — 22 % of the randomized test's time (measured:
     5 rounds 263 s with code generation, 205 s without; whole-stage off alone
-    247 s). Results do not depend on it; the subprocess tests (demo, crash
-    test) and the benchmark run with the adapter's defaults, code generation on."""
+    247 s). Results do not depend on it; the crash test's subprocesses run
+    interpreted too; the demo (a subprocess `dbt` as a user runs it) and the
+    benchmark run with the adapter's defaults, code generation on."""
     return {
         "spark.sql.shuffle.partitions": "2",
         "spark.master": "local[2]",

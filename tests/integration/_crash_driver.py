@@ -27,7 +27,12 @@ MODELS = ("agg", "bag")
 def spark():
     from dbt.adapters.spark_ivm.connections import default_spark_conf, spark_session
 
-    return spark_session(default_spark_conf(str(project), overrides={"spark.sql.shuffle.partitions": "2"}))
+    # tiny data: interpreted execution, as the in-process tests (tests/harness.py, _test_overrides)
+    return spark_session(default_spark_conf(str(project), overrides={
+        "spark.sql.shuffle.partitions": "2",
+        "spark.sql.codegen.wholeStage": "false",
+        "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+    }))
 
 
 def dbt(*args):
