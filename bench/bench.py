@@ -81,6 +81,9 @@ def parse_args() -> argparse.Namespace:
                    help="skip comparing each incremental result with a recompute of the model SQL")
     p.add_argument("--timings", action="store_true",
                    help="print the time of every SQL statement of each refresh (sets DBT_IVM_TIMINGS=1)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the workspace of an earlier run with the same --rows (sources and built models): "
+                        "no generation, no first build; the rounds go on from where it stopped")
     p.add_argument("--output", type=Path, default=RESULTS / "latest.md", help="markdown results file")
     args = p.parse_args()
     if args.rows < 1000:
@@ -104,6 +107,7 @@ class Bench:
         self.n_rows = args.rows
         self.n_customers = max(args.rows // 100, 10)
         self.next_key = args.rows + 1  # next o_orderkey for inserts
+        self.round_base = 0  # added to the round number that salts the picked rows (--reuse)
         self.spark = None
 
     # -- workspace, Spark, dbt project
@@ -206,6 +210,19 @@ class Bench:
                    element_at(array('O', 'F', 'P'), cast(id % 3 + 1 as int)) as o_status
             from range({start}, {end})"""
 
+    def reuse_sources(self) -> None:
+        """Go on with an earlier run's sources (--reuse): they must exist, with about
+        --rows fact rows; inserts continue after the highest key, and the picked
+        rows are salted past every round that table has seen."""
+        try:
+            n, top = self.sql(f"select count(*), max(o_orderkey) from {SOURCE_SCHEMA}.orders")[0]
+        except Exception as e:  # noqa: BLE001 - any failure here means: nothing to reuse
+            sys.exit(f"--reuse: no {SOURCE_SCHEMA}.orders in {self.workspace} ({str(e)[:200]}); run without --reuse")
+        if abs(n - self.n_rows) > 0.05 * self.n_rows:
+            sys.exit(f"--reuse: {SOURCE_SCHEMA}.orders has {n:,} rows, not about --rows {self.n_rows:,}")
+        self.next_key = int(top) + 1
+        self.round_base = self.version(f"{SOURCE_SCHEMA}.orders")
+
     def version(self, table: str) -> int:
         return self.sql(f"describe history {table} limit 1")[0]["version"]
 
@@ -223,12 +240,13 @@ class Bench:
 
         self.sql(f"insert into {table} {self._orders_select(self.next_key, self.next_key + n_ins)}")
         self.next_key += n_ins
-        self.sql(f"delete from {table} where o_orderkey <= {self.n_rows} and {self._pick(n_del, 2 * rep + 1)}")
+        salt = 2 * (self.round_base + rep)
+        self.sql(f"delete from {table} where o_orderkey <= {self.n_rows} and {self._pick(n_del, salt + 1)}")
         self.sql(f"""
             update {table}
             set o_totalprice = cast(o_totalprice + 1.25 as decimal(12, 2)),
                 o_custkey = case when o_orderkey % 4 = 0 then o_custkey % {self.n_customers} + 1 else o_custkey end
-            where o_orderkey <= {self.n_rows} and {self._pick(n_upd, 2 * rep + 2)}""")
+            where o_orderkey <= {self.n_rows} and {self._pick(n_upd, salt + 2)}""")
         after = self.version(table)
         counts = {r[0]: r[1] for r in self.sql(
             f"select _change_type, count(*) from table_changes('{table}', {before + 1}, {after}) group by 1")}
@@ -292,7 +310,8 @@ def main() -> None:
         os.environ["DBT_IVM_TIMINGS"] = "1"
     b = Bench(args)
     t0 = time.perf_counter()
-    b.prepare_workspace()
+    if not args.reuse:
+        b.prepare_workspace()
     b.write_project()
     print(f"workspace {b.workspace}; dbt project {b.project}", flush=True)
 
@@ -301,10 +320,15 @@ def main() -> None:
     print(f"Spark {spark.version}, master {spark.sparkContext.master}, driver heap {heap:.1f} GiB", flush=True)
 
     t = time.perf_counter()
-    b.create_sources()
-    gen_s = time.perf_counter() - t
-    print(f"generated {SOURCE_SCHEMA}.orders ({b.n_rows:,} rows) and {SOURCE_SCHEMA}.customer "
-          f"({b.n_customers:,} rows) in {gen_s:.1f}s", flush=True)
+    gen_s = None
+    if args.reuse:
+        b.reuse_sources()
+        print(f"reusing {SOURCE_SCHEMA}.orders and the built models (round base {b.round_base})", flush=True)
+    else:
+        b.create_sources()
+        gen_s = time.perf_counter() - t
+        print(f"generated {SOURCE_SCHEMA}.orders ({b.n_rows:,} rows) and {SOURCE_SCHEMA}.customer "
+              f"({b.n_customers:,} rows) in {gen_s:.1f}s", flush=True)
 
     timings = {m: {"incremental": [], "incremental_wall": [], "full": [], "full_wall": [],
                    "noop": [], "noop_wall": [], "create": None, "change": [], "plain": []} for m in MODELS}
@@ -319,7 +343,7 @@ def main() -> None:
             loud(msg)
 
     print("\nbuild", flush=True)
-    for m in MODELS:
+    for m in MODELS if not args.reuse else ():
         resp, wall = b.dbt("run", select=m)
         expect(m, "create", resp, wall, "CREATE")
         timings[m]["create"] = (resp.get("seconds") or 0, wall)
@@ -388,7 +412,7 @@ def render(b: Bench, args, timings: dict, problems: list, gen_s: float, total_s:
             f"{med(t['plain']):.2f}", f"{inc / med(t['plain']):.3f}" if med(t["plain"]) else "n/a",
             f"{med(t['noop']):.2f}",
             f"{med(t['incremental_wall']):.2f}", f"{med(t['full_wall']):.2f}", f"{med(t['noop_wall']):.2f}",
-            f"{t['create'][0]:.2f}",
+            f"{t['create'][0]:.2f}" if t["create"] else "reused",
         ])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -399,7 +423,9 @@ def render(b: Bench, args, timings: dict, problems: list, gen_s: float, total_s:
         "",
         f"- date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- command: `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`",
-        f"- bench.orders: {b.n_rows:,} rows; bench.customer: {b.n_customers:,} rows (generated in {gen_s:.1f}s)",
+        f"- bench.orders: {b.n_rows:,} rows; bench.customer: {b.n_customers:,} rows "
+        + (f"(generated in {gen_s:.1f}s)" if gen_s is not None else
+           "(reused from an earlier run: --reuse; its models not rebuilt first)"),
         f"- change per repeat: {args.change:.3%} of the fact rows (70% inserts, 20% deletes, 10% updates; "
         f"rows picked {args.pattern}); "
         f"repeats: {args.repeats} (medians shown), after {args.warmup} untimed warm-up round(s)",
