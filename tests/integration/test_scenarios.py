@@ -2,21 +2,23 @@
 on Spark + Delta.
 
 All cases run together, so one dbt invocation refreshes every case that has a
-step at that index: per variant (stepwise "s", batched "b") each case gets its
-own source schema, the models land in one output schema. After every refresh
-each model is compared with a full recompute of its compiled SQL (bag
-equality), and the strategy in run_results' adapter_response is checked:
+step at that index. Two variants, each case with its own source schemas and
+models (one output schema): stepwise ("s": a refresh after every step) and
+batched ("b", models named ``<model>__b``: every step's statements in one
+window, one refresh; only cases with several steps, as for a one-step case it
+is the stepwise run). The batched models are built with the stepwise ones and
+refreshed in the first step's invocation. After every refresh each model is
+compared with a full recompute of its compiled SQL (bag equality), and the
+strategy in run_results' adapter_response is checked:
 
 * a case marked ``maintained`` whose features the engine maintains must refresh
   INCREMENTAL (NOOP when its step changes nothing);
 * every other case may fall back (FULL), but must still be exact.
 
-Then the batched variant: every step's statements of a case in one window, one
-refresh (cases with a single step are left out: for them it is the stepwise
-run). Select cases with DBT_IVM_CASES=D01,D03 (default: all). The `dbt test`
-audit of every scenario model (ivm_consistent) runs with
-DBT_IVM_SCENARIO_FULL=1 (off in the default `./run test`, which must fit CI's
-time limit on a 2-core machine; the crash test and the demo run `dbt test`).
+Select cases with DBT_IVM_CASES=D01,D03 (default: all). The `dbt test` audit of
+every scenario model (ivm_consistent) runs with DBT_IVM_SCENARIO_FULL=1 (off in
+the default `./run test`, which must fit CI's time limit on a 2-core machine;
+the crash test and the demo run `dbt test`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -56,44 +59,66 @@ def expects_incremental(case: dict) -> bool:
     return case.get("expect") == "maintained" and not (set(case.get("features", [])) & FALLBACK_FEATURES)
 
 
+OUT = "scn_out"
+BATCHED = "__b"  # suffix of a batched-variant model
+
+
 class Suite:
-    """Runs all cases once per variant and records, per case, what happened."""
+    """Runs all cases in both variants and records, per case, what happened.
+    Both variants share the dbt invocations: the build builds every model of
+    both, and the first step's refresh also refreshes the batched models after
+    their cases received every step's statements in one window."""
 
     def __init__(self, root: Path, cases: list[dict]):
         self.cases = cases
-        self.project = DbtProject(root, name="scenarios", threads=6,
-                                  targets={"s": "scn_out_s", "b": "scn_out_b"})
+        # A one-step case's batched run is its stepwise run (one window, one
+        # refresh): only cases with several steps get a batched variant.
+        self.batched = [c for c in cases if c.get("batched", True) and len(c["steps"]) > 1]
+        self.project = DbtProject(root, name="scenarios", threads=6, schema=OUT)
         self.failures: dict[str, list[str]] = {c["id"]: [] for c in cases}
         self.strategies: dict[str, list[str]] = {c["id"]: [] for c in cases}
         self._write_project()
 
     # ------------------------------------------------------------------ setup
 
-    def _schema(self, case: dict, variant: str) -> str:
+    @staticmethod
+    def _schema(case: dict, variant: str) -> str:
         return f"scn_{variant}_{case['id'].lower()}"
+
+    @staticmethod
+    def _model(name: str, variant: str) -> str:
+        return name if variant == "s" else name + BATCHED
+
+    def _variants(self) -> list[tuple[dict, str]]:
+        return [(c, "s") for c in self.cases] + [(c, "b") for c in self.batched]
 
     def _write_project(self) -> None:
         sources = []
         models = []
-        for case in self.cases:
+        for case, variant in self._variants():
             cid = case["id"].lower()
-            sources.append({
-                "name": f"scn_{cid}",
-                "schema": "scn_{{ target.name }}_" + cid,
-                "tables": [{"name": t["name"]} for t in case["tables"]],
-            })
+            src = self._schema(case, variant)  # the source is named after its schema
+            sources.append({"name": src, "schema": src, "tables": [{"name": t["name"]} for t in case["tables"]]})
+            own = {m["name"] for m in case["models"]}
             for m in case["models"]:
-                body = re.sub(r"source\(\s*'scn'\s*,", f"source('scn_{cid}',", m["sql"])
+                body = re.sub(r"source\(\s*'scn'\s*,", f"source('{src}',", m["sql"])
+                body = re.sub(  # a model built on one of the case's models reads that model's variant
+                    r"ref\(\s*'([^']+)'\s*\)",
+                    lambda r: f"ref('{self._model(r.group(1), variant)}')" if r.group(1) in own else r.group(0),
+                    body,
+                )
+                name = self._model(m["name"], variant)
                 self.project.write(
-                    f"models/{cid}/{m['name']}.sql",
+                    f"models/{cid}/{name}.sql",
                     "{{ config(materialized='incremental_mv') }}\n" + body,
                 )
-                models.append({"name": m["name"], "data_tests": ["ivm_consistent"]})
+                models.append({"name": name, "data_tests": ["ivm_consistent"]})
         self.project.write("models/schema.yml", yaml.safe_dump(
             {"version": 2, "sources": sources, "models": models}, sort_keys=False))
 
-    def _create_tables(self, variant: str) -> None:
-        def create(case: dict) -> None:
+    def _create_tables(self) -> None:
+        def create(unit: tuple[dict, str]) -> None:
+            case, variant = unit
             schema = self._schema(case, variant)
             sql(f"drop schema if exists {schema} cascade")
             sql(f"create schema {schema}")
@@ -103,12 +128,12 @@ class Suite:
                 if t.get("rows"):
                     sql(f"insert into {schema}.{t['name']} values {t['rows']}")
 
-        parallel(create, self.cases)
-        sql(f"drop schema if exists scn_out_{variant} cascade")
+        parallel(create, self._variants())
+        sql(f"drop schema if exists {OUT} cascade")
 
     def _apply(self, case: dict, variant: str, statements: list[str]) -> None:
-        """Run a step's statements (bare table names) in the case's schema, in a
-        session of their own so cases can run side by side."""
+        """Run statements (bare table names) in the case's schema, in a session of
+        their own so cases can run side by side."""
         session = spark().newSession()
         session.sql(f"use {self._schema(case, variant)}")
         for statement in statements:
@@ -116,25 +141,28 @@ class Suite:
 
     # ------------------------------------------------------------------ run
 
-    def _refresh(self, cases: list[dict], variant: str, label: str, step_changes: dict) -> None:
-        names = [m["name"] for c in cases for m in c["models"]]
-        out = self.project.dbt("run", "--target", variant, "--select", *names)
+    def _refresh(self, units: list[tuple[dict, str, str, Optional[bool]]]) -> None:
+        """One `dbt run` of the models of ``units`` — (case, variant, label, whether
+        the case's sources got statements; None for the build) — then every
+        model compared with a full recompute."""
+        names = [self._model(m["name"], v) for c, v, _, _ in units for m in c["models"]]
+        out = self.project.dbt("run", "--select", *names)
         checks = []
-        for case in cases:
+        for case, variant, label, had_statements in units:
             cid = case["id"]
             for m in case["models"]:
-                r = out.results.get(m["name"])
+                name = self._model(m["name"], variant)
+                r = out.results.get(name)
                 if r is None or str(r.status) != "success":
                     msg = getattr(r, "message", None) or out.exception
-                    self.failures[cid].append(f"{variant}/{label}: {m['name']} did not run: {msg}")
+                    self.failures[cid].append(f"{variant}/{label}: {name} did not run: {msg}")
                     continue
-                code = out.code(m["name"])
-                self.strategies[cid].append(f"{variant}/{label}:{m['name']}={code}")
-                self._check_strategy(case, variant, label, m["name"], code, out.response(m["name"]),
-                                     step_changes.get(cid))
-                checks.append((cid, m["name"], r.node.compiled_code))
-        diffs = parallel(lambda c: check_model(f"scn_out_{variant}.{c[1]}", c[2]), checks)
-        for (cid, name, _), diff in zip(checks, diffs):
+                code = out.code(name)
+                self.strategies[cid].append(f"{variant}/{label}:{name}={code}")
+                self._check_strategy(case, variant, label, name, code, out.response(name), had_statements)
+                checks.append((cid, variant, label, name, r.node.compiled_code))
+        diffs = parallel(lambda c: check_model(f"{OUT}.{c[3]}", c[4]), checks)
+        for (cid, variant, label, name, _), diff in zip(checks, diffs):
             if diff:
                 self.failures[cid].append(f"{variant}/{label}: {name} != recompute: {diff}")
 
@@ -154,35 +182,31 @@ class Suite:
                 f"{response.get('reason_detail')})"
             )
 
-    def run_stepwise(self) -> None:
-        self._create_tables("s")
-        self._refresh(self.cases, "s", "build", {})
+    def run(self) -> None:
+        """Build both variants; then step by step: each case's next step and a
+        refresh (stepwise), and with the first step, the batched variant's cases
+        receive all their steps' statements and are refreshed once."""
+        self._create_tables()
+        self._refresh([(c, v, "build", None) for c, v in self._variants()])
         depth = max(len(c["steps"]) for c in self.cases)
         for k in range(depth):
             active = [c for c in self.cases if len(c["steps"]) > k]
-            parallel(lambda c: self._apply(c, "s", c["steps"][k]), active)
-            self._refresh(active, "s", f"step{k + 1}",
-                          {c["id"]: bool(c["steps"][k]) for c in active})
-
-    def run_batched(self) -> None:
-        # A one-step case's batched run is its stepwise run (one window, one
-        # refresh): only cases with several steps are run again.
-        cases = [c for c in self.cases if c.get("batched", True) and len(c["steps"]) > 1]
-        if not cases:
-            return
-        self._create_tables("b")
-        self._refresh(cases, "b", "build", {})
-        parallel(lambda c: self._apply(c, "b", [s for step in c["steps"] for s in step]), cases)
-        self._refresh(cases, "b", "batched",
-                      {c["id"]: any(c["steps"]) for c in cases})
+            work = [(c, "s", c["steps"][k]) for c in active]
+            units = [(c, "s", f"step{k + 1}", bool(c["steps"][k])) for c in active]
+            if k == 0:
+                work += [(c, "b", [st for step in c["steps"] for st in step]) for c in self.batched]
+                units += [(c, "b", "batched", any(c["steps"])) for c in self.batched]
+            parallel(lambda w: self._apply(*w), work)
+            self._refresh(units)
 
     def run_audit(self) -> None:
-        """dbt test: ivm_consistent on every model must pass."""
-        out = self.project.dbt("test", "--target", "s")
-        for case in self.cases:
+        """dbt test: ivm_consistent on every model (both variants) must pass."""
+        out = self.project.dbt("test")
+        for case, variant in self._variants():
             for m in case["models"]:
+                prefix = f"ivm_consistent_{self._model(m['name'], variant)}_"
                 for name, r in out.results.items():
-                    if name.startswith(f"ivm_consistent_{m['name']}_") and str(r.status) != "pass":
+                    if name.startswith(prefix) and str(r.status) != "pass":
                         self.failures[case["id"]].append(f"dbt test {name}: {r.status} {r.message}")
 
     def table(self) -> str:
@@ -190,19 +214,20 @@ class Suite:
         for case in self.cases:
             cid = case["id"]
             result = "FAIL" if self.failures[cid] else "ok"
-            codes = sorted({s.split("=")[-1] for s in self.strategies[cid] if "build" not in s})
+            codes = sorted({s.split("=")[-1] for s in self.strategies[cid] if s.startswith("s/") and "build" not in s})
+            batched = sorted({s.split("=")[-1] for s in self.strategies[cid] if s.startswith("b/batched")})
             expect = "incremental" if expects_incremental(case) else "fallback allowed"
-            lines.append(f"{cid:6} {result:6} {expect:16} {','.join(codes)}")
+            lines.append(f"{cid:6} {result:6} {expect:16} {','.join(codes)}"
+                         + (f" | batched: {','.join(batched)}" if batched else ""))
         return "\n".join(lines)
 
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     s = Suite(tmp_path_factory.mktemp("scenarios"), load_cases())
-    s.run_stepwise()
+    s.run()
     if os.environ.get("DBT_IVM_SCENARIO_FULL", "0") == "1":
         s.run_audit()
-    s.run_batched()
     print("\n" + s.table())
     return s
 
