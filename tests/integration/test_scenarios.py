@@ -2,14 +2,15 @@
 on Spark + Delta.
 
 All cases run together, so one dbt invocation refreshes every case that has a
-step at that index. Two variants, each case with its own source schemas and
-models (one output schema): stepwise ("s": a refresh after every step) and
-batched ("b", models named ``<model>__b``: every step's statements in one
-window, one refresh; only cases with several steps, as for a one-step case it
-is the stepwise run). The batched models are built with the stepwise ones and
-refreshed in the first step's invocation. After every refresh each model is
-compared with a full recompute of its compiled SQL (bag equality), and the
-strategy in run_results' adapter_response is checked:
+step at that index. Each case has its own source schema; the models of all
+cases share one output schema. Two variants over the same sources: stepwise
+("s": a refresh after every step) and batched ("b", models named
+``<model>__b``: built with the stepwise ones, then left alone until the case's
+last step, so their one refresh reads every step's statements in one window;
+only cases with several steps, as for a one-step case it is the stepwise run).
+After every refresh each model is compared with a full recompute of its
+compiled SQL (bag equality), and the strategy in run_results' adapter_response
+is checked:
 
 * a case marked ``maintained`` whose features the engine maintains must refresh
   INCREMENTAL (NOOP when its step changes nothing);
@@ -65,9 +66,9 @@ BATCHED = "__b"  # suffix of a batched-variant model
 
 class Suite:
     """Runs all cases in both variants and records, per case, what happened.
-    Both variants share the dbt invocations: the build builds every model of
-    both, and the first step's refresh also refreshes the batched models after
-    their cases received every step's statements in one window."""
+    Both variants share the sources and the dbt invocations: the build builds
+    every model of both, and a case's last step's invocation also refreshes its
+    batched models, whose window then holds every step's statements."""
 
     def __init__(self, root: Path, cases: list[dict]):
         self.cases = cases
@@ -82,8 +83,8 @@ class Suite:
     # ------------------------------------------------------------------ setup
 
     @staticmethod
-    def _schema(case: dict, variant: str) -> str:
-        return f"scn_{variant}_{case['id'].lower()}"
+    def _schema(case: dict) -> str:
+        return f"scn_{case['id'].lower()}"
 
     @staticmethod
     def _model(name: str, variant: str) -> str:
@@ -97,8 +98,9 @@ class Suite:
         models = []
         for case, variant in self._variants():
             cid = case["id"].lower()
-            src = self._schema(case, variant)  # the source is named after its schema
-            sources.append({"name": src, "schema": src, "tables": [{"name": t["name"]} for t in case["tables"]]})
+            src = self._schema(case)  # the source is named after its schema
+            if variant == "s":
+                sources.append({"name": src, "schema": src, "tables": [{"name": t["name"]} for t in case["tables"]]})
             own = {m["name"] for m in case["models"]}
             for m in case["models"]:
                 body = re.sub(r"source\(\s*'scn'\s*,", f"source('{src}',", m["sql"])
@@ -117,9 +119,8 @@ class Suite:
             {"version": 2, "sources": sources, "models": models}, sort_keys=False))
 
     def _create_tables(self) -> None:
-        def create(unit: tuple[dict, str]) -> None:
-            case, variant = unit
-            schema = self._schema(case, variant)
+        def create(case: dict) -> None:
+            schema = self._schema(case)
             sql(f"drop schema if exists {schema} cascade")
             sql(f"create schema {schema}")
             for t in case["tables"]:
@@ -128,14 +129,14 @@ class Suite:
                 if t.get("rows"):
                     sql(f"insert into {schema}.{t['name']} values {t['rows']}")
 
-        parallel(create, self._variants())
+        parallel(create, self.cases)
         sql(f"drop schema if exists {OUT} cascade")
 
-    def _apply(self, case: dict, variant: str, statements: list[str]) -> None:
+    def _apply(self, case: dict, statements: list[str]) -> None:
         """Run statements (bare table names) in the case's schema, in a session of
         their own so cases can run side by side."""
         session = spark().newSession()
-        session.sql(f"use {self._schema(case, variant)}")
+        session.sql(f"use {self._schema(case)}")
         for statement in statements:
             session.sql(statement)
 
@@ -184,18 +185,16 @@ class Suite:
 
     def run(self) -> None:
         """Build both variants; then step by step: each case's next step and a
-        refresh (stepwise), and with the first step, the batched variant's cases
-        receive all their steps' statements and are refreshed once."""
+        refresh of its stepwise models, and with a case's last step, the one
+        refresh of its batched models (their window: every step)."""
         self._create_tables()
         self._refresh([(c, v, "build", None) for c, v in self._variants()])
         depth = max(len(c["steps"]) for c in self.cases)
         for k in range(depth):
             active = [c for c in self.cases if len(c["steps"]) > k]
-            work = [(c, "s", c["steps"][k]) for c in active]
+            work = sorted(((c, c["steps"][k]) for c in active), key=lambda w: -len(w[1]))  # longest first
             units = [(c, "s", f"step{k + 1}", bool(c["steps"][k])) for c in active]
-            if k == 0:
-                work += [(c, "b", [st for step in c["steps"] for st in step]) for c in self.batched]
-                units += [(c, "b", "batched", any(c["steps"])) for c in self.batched]
+            units += [(c, "b", "batched", any(c["steps"])) for c in self.batched if len(c["steps"]) == k + 1]
             parallel(lambda w: self._apply(*w), work)
             self._refresh(units)
 
