@@ -338,6 +338,61 @@ def _with_recompute(plan: Plan, source: str, groups: str, window: Window) -> str
     )
 
 
+# --------------------------------------------------------------------------- append layout
+
+
+def append_eligible(plan: Optional[Plan]) -> bool:
+    """The plan's state can be kept as layers (ivm_state_layout='append'): an
+    aggregate whose every state column is a sum over rows (COUNT, SUM, AVG), so
+    a group's state is the sum of its rows in every layer. MIN/MAX is not
+    invertible that way; bags and DISTINCT keep the MERGE."""
+    return plan is not None and plan.kind == AGGREGATE and not plan.has_minmax
+
+
+def _partials(plan: Plan) -> list[str]:
+    """The summed state columns of an append-eligible plan, besides COUNT."""
+    out = []
+    for a in plan.aggregates:
+        if a.func in ("sum", "avg", "count"):
+            out.append(a.col("nn"))
+        if a.func in ("sum", "avg"):
+            out.append(a.col("sum"))
+    return list(dict.fromkeys(out))
+
+
+def append_statement(plan: Plan, state: str, window: Window, types: dict) -> Optional[str]:
+    """The one INSERT of the append layout: the window's per-group change as a
+    new layer of state rows (signed partial sums; the visible columns NULL, since
+    the view folds the layers: folded_state). Groups whose change sums to zero
+    everywhere are left out. None: no source of the plan changed."""
+    change = _aggregate_change(plan, window)
+    if change is None:
+        return None
+    partials = [COUNT] + _partials(plan)
+    select = []
+    for name in _new_state(plan, None, types):
+        if name in plan.columns:
+            select.append(f"CAST(NULL AS {types.get(name, 'string')}) AS {quote(name)}")
+        else:
+            select.append(f"s.{quote(name)}")
+    nonzero = " OR ".join(f"COALESCE(s.{c}, 0) <> 0" for c in partials)
+    return f"INSERT INTO {quote(state)} SELECT {', '.join(select)} FROM ({change}) AS s WHERE {nonzero}"
+
+
+def folded_state(plan: Plan, state: str, types: dict) -> str:
+    """The state rows of a layered state: each group's rows (the base and every
+    appended layer) summed, groups with no rows left dropped, and the visible
+    columns finalised by the same constructor as a full build (_new_state). The
+    view of an append-layout model reads this; compaction writes it back."""
+    keys = plan.key_columns
+    sums = [f"SUM({c}) AS {c}" for c in [COUNT] + _partials(plan)]
+    group = f" GROUP BY {', '.join(keys)} HAVING SUM({COUNT}) > 0" if keys else ""
+    folded = f"SELECT {', '.join(keys + sums)} FROM {quote(state)}{group}"
+    cols = _new_state(plan, None, types)
+    select = ", ".join(f"{v} AS {quote(k)}" for k, v in cols.items())
+    return f"SELECT {select} FROM ({folded}) AS s"
+
+
 # --------------------------------------------------------------------------- public
 
 
@@ -377,9 +432,12 @@ def bag_state_of_query(query: str, columns: list[str]) -> str:
     )
 
 
-def view_query(kind: str, columns: list[str], state: str) -> str:
-    """The relation dbt exposes: exactly the model's columns over the state."""
+def view_query(kind: str, columns: list[str], state: str, folded: Optional[str] = None) -> str:
+    """The relation dbt exposes: exactly the model's columns over the state
+    (``folded``: over that query instead, folded_state of a layered state)."""
     names = ", ".join(quote(c) for c in columns)
+    if folded is not None:
+        return f"SELECT {names} FROM ({folded}) AS {PREFIX}f"
     if kind == BAG:
         return (
             f"SELECT {names} FROM {quote(state)} LATERAL VIEW "

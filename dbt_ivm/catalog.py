@@ -12,6 +12,7 @@ from typing import Optional
 DELTA = "delta"  # a Delta table: snapshots by VERSION AS OF, changes by table_changes
 MV = "mv"  # another incremental_mv: read through its Delta state table
 OTHER = "other"  # anything else (parquet table, plain view...): only full rebuilds
+LAYERED = "layered"  # an incremental_mv whose state is appended layers: read through its view, full rebuilds
 
 
 @dataclass(frozen=True)

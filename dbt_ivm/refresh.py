@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional, Protocol
 
 from dbt_ivm import apply
-from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
+from dbt_ivm.catalog import DELTA, LAYERED, MV, OTHER, Catalog, Source
 from dbt_ivm.delta import Window, quote
 from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
 from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, build_plan, referenced_tables, signature
@@ -31,6 +31,16 @@ CREATE, NOOP, INCREMENTAL, PARTITION, FULL = "CREATE", "NOOP", "INCREMENTAL", "P
 POLICIES = ("auto", "incremental", "partition", "full")
 CHANGE_FEED = ("auto", "true", "false")
 DELETION_VECTORS = ("auto", "true", "false")
+MERGE, APPEND = "merge", "append"
+LAYOUTS = ("auto", MERGE, APPEND)
+# ivm_state_layout='auto' keeps an eligible aggregate's state as appended layers
+# once a commit of the state wrote this much (see Refresher._settle_layout).
+APPEND_AUTO_BYTES = 2 << 20
+# An append-layout state is compacted (its layers folded into one row per
+# group) after this many appends, or once the appended rows reach this
+# fraction of the rows the state had when last written whole.
+MAX_LAYERS = 10
+LAYER_FRACTION = 0.5
 # ivm_deletion_vectors='auto' turns them on once a commit of the state table
 # wrote this much (written_bytes; a rebuild writes all of it). A
 # MERGE into a state with deletion vectors marks the rows it replaces instead of
@@ -46,9 +56,11 @@ WATERMARK_FORMAT = 1
 # View properties that mark a relation as an incremental_mv (read by downstream models).
 PROP_STATE = "dbt_ivm.state_table"
 PROP_KIND = "dbt_ivm.kind"
+PROP_LAYOUT = "dbt_ivm.layout"
 
 # FULL reasons that are rebuilds by nature, allowed even under ivm_policy='incremental'.
-_REBUILD_REASONS = ("FULL_REFRESH", "NO_WATERMARK", "VIEW_MISSING", "PLAN_SIGNATURE_MISMATCH")
+_REBUILD_REASONS = ("FULL_REFRESH", "NO_WATERMARK", "VIEW_MISSING", "PLAN_SIGNATURE_MISMATCH",
+                    "STATE_LAYOUT_CHANGED")
 
 
 class Executor(Protocol):
@@ -65,7 +77,7 @@ class Decision:
 
 
 # Watermark fields filled in when it is read back, never stored.
-_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes"})
+_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes", "layers"})
 
 
 @dataclass
@@ -87,6 +99,8 @@ class Watermark:
     dv_merges: int = 0  # ... and the MERGEs that left deletion vectors since the state was last rewritten
     written_bytes: int = 0  # ... and the most bytes one of its recent commits wrote (see written_bytes)
     recomputed: int = 0  # MIN/MAX groups its refresh recomputed (> 0: the next one probes first)
+    layout: str = MERGE  # the state's layout (ivm_state_layout; written before it was recorded: merge)
+    layers: tuple = (0, 0, None)  # ... and append_layers of its recent commits
 
     def versions(self) -> dict:
         return {s["physical"]: s["version"] for s in self.sources if s["version"] is not None}
@@ -181,9 +195,17 @@ def validate_config(config: dict) -> dict:
             f"Invalid ivm_deletion_vectors provided: {config.get('ivm_deletion_vectors')!r}. "
             f"Expected one of: auto (on once the state table is {DV_AUTO_BYTES >> 20} MiB), true, false."
         )
+    layout = config.get("ivm_state_layout")
+    layout = "auto" if layout is None else str(layout).lower()
+    if layout not in LAYOUTS:
+        raise IvmConfigError(
+            f"Invalid ivm_state_layout provided: {config.get('ivm_state_layout')!r}. "
+            f"Expected one of: auto (append for a big aggregate state without MIN/MAX that no "
+            f"incremental_mv reads, else merge), merge, append."
+        )
     return {
         "ivm_policy": policy, "ivm_full_threshold": threshold, "ivm_change_feed": feed,
-        "ivm_deletion_vectors": dvs,
+        "ivm_deletion_vectors": dvs, "ivm_state_layout": layout,
         # set by the materialization from the dbt graph, not by users
         "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
     }
@@ -262,7 +284,7 @@ def decide(
         return Decision(FULL, Reason(
             "PLAN_SIGNATURE_MISMATCH", "the model SQL or a source schema changed since the last build"))
     old = watermark.versions()
-    changed = [s for s in sources if s.kind == OTHER or old.get(s.physical) != s.version]
+    changed = [s for s in sources if s.kind in (OTHER, LAYERED) or old.get(s.physical) != s.version]
     if not changed:
         return Decision(NOOP, Reason("NO_CHANGES", "no source changed since the last refresh"))
     if policy == "full":
@@ -270,6 +292,11 @@ def decide(
     if unsupported is not None:
         return Decision(FULL, unsupported)
     for s in changed:
+        if s.kind == LAYERED:
+            return Decision(FULL, Reason(
+                "SOURCE_LAYERED", f"source {s.name} is an incremental_mv with ivm_state_layout 'append': "
+                "its state table holds partial sums, not rows",
+                f"set ivm_state_layout: merge (or auto) on {s.name}"))
         if s.kind == OTHER:
             return Decision(FULL, Reason(
                 "SOURCE_NOT_DELTA", f"source {s.name} is not a Delta table",
@@ -320,6 +347,8 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -
         state = props.get(PROP_STATE)
         if not state:
             return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
+        if props.get(PROP_LAYOUT) == APPEND:
+            return Source(name=name, columns=tuple(columns), kind=LAYERED, cdf=False)
         version, histories[state] = history_head(ex, state, HISTORY_DEPTH)
         mult = apply.COUNT if props.get(PROP_KIND) == BAG else None
         # the upstream's newest watermark says whether its state keeps a change feed
@@ -447,6 +476,7 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
             if wm is not None:
                 wm.state_version, wm.commit_version = current, int(row[0])
                 wm.dv_merges, wm.written_bytes = dv_merges(rows), written_bytes(rows)
+                wm.layers = append_layers(rows)
                 return current, wm
         if limit and len(rows) < 20:
             break
@@ -484,6 +514,37 @@ def dv_merges(history: list[tuple]) -> int:
                 added = 0
             n += added > 0
     return n
+
+
+def append_layers(history: list[tuple]) -> tuple[int, int, Optional[int]]:
+    """(appends, rows appended, rows written whole) of a table since it was last
+    written whole (DESCRIBE HISTORY rows, newest first): the layers an
+    append-layout state holds over its base. The base's rows are None when the
+    last write before the appends was not a whole write (a MERGE, before the
+    state's layout became append) or is not among the rows given.
+
+    >>> append_layers([(3, None, None, None, "WRITE", {"mode": "Append"}, None, None, None, 2, None, True,
+    ...                 {"numOutputRows": "40"}),
+    ...                (2, None, None, None, "OPTIMIZE", {}, None, None, None, 1, None, False, {}),
+    ...                (1, None, None, None, "WRITE", {"mode": "Append"}, None, None, None, 0, None, True,
+    ...                 {"numOutputRows": "60"}),
+    ...                (0, None, None, None, "CREATE TABLE AS SELECT", {}, None, None, None, None, None, True,
+    ...                 {"numOutputRows": "1000"})])
+    (2, 100, 1000)
+    """
+    appends, rows = 0, 0
+    for row in history:
+        op = str(row[4] or "").upper()
+        mode = str(_as_map(row[5]).get("mode", "")).strip('"')
+        metrics = _as_map(row[12] if len(row) > 12 else None)
+        if op == "WRITE" and mode == "Append":
+            appends += 1
+            rows += int(str(metrics.get("numOutputRows") or 0).strip('"'))
+        elif op in _REWRITES[2:] or (op == "WRITE" and mode == "Overwrite"):
+            return appends, rows, int(str(metrics.get("numOutputRows") or 0).strip('"'))
+        elif op not in _NO_ROW_CHANGE_OPS:
+            break
+    return appends, rows, None
 
 
 _BYTES_WRITTEN = ("numOutputBytes", "numTargetBytesAdded", "numAddedBytes")
@@ -569,6 +630,7 @@ class Refresher:
         # small state dearer; 'auto' is settled by the state's size (_settle_dvs).
         dvs = self.config["ivm_deletion_vectors"]
         self.deletion_vectors: Optional[bool] = None if dvs == "auto" else dvs == "true"
+        self.layout = MERGE  # settled per refresh (_settle_layout)
 
     def run(self) -> Result:
         start = time.time()
@@ -588,6 +650,7 @@ class Refresher:
             watermark=watermark, sig=sig, sources=sources,
             unsupported=unsupported.reason if unsupported else None,
         )
+        self._check_layout(plan)
         self._allowed(decision)
         sizes = {}
         if decision.strategy == INCREMENTAL:
@@ -607,6 +670,10 @@ class Refresher:
                 # watermark stays; the empty range is re-read cheaply next time.
                 decision = Decision(NOOP, Reason("NO_ROW_CHANGES", "sources have new versions but no changed rows"))
         self._settle_dvs(watermark, decision.strategy == INCREMENTAL)
+        self._settle_layout(plan, watermark, decision.strategy == INCREMENTAL)
+        if decision.strategy == INCREMENTAL and watermark.layout == APPEND and self.layout != APPEND:
+            decision = Decision(FULL, Reason(
+                "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
         result = Result(decision.strategy, decision.reason)
         result.sizes = {n: c for n, (c, _) in sizes.items()}
         if decision.strategy == INCREMENTAL:
@@ -659,7 +726,7 @@ class Refresher:
             ],
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
             change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
-            recomputed=self.recomputed,
+            recomputed=self.recomputed, layout=self.layout,
         )
 
     def _rebuild(self, plan, sources, sig, decision, state_exists, old: Optional[Watermark]) -> None:
@@ -685,11 +752,53 @@ class Refresher:
             else:
                 props = ", ".join(f"'{k}' = '{v}'" for k, v in self._state_properties().items())
                 self.ex.query(f"CREATE TABLE {quote(self.state)} USING delta TBLPROPERTIES ({props}) AS {body}")
+        self._create_view(plan, kind, columns, types)
+
+    def _create_view(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> None:
+        """The model's relation: a view over the state (folding its layers under
+        the append layout); its properties tell readers where the state is."""
+        folded = apply.folded_state(plan, self.state, types) if self.layout == APPEND else None
         self.ex.query(
             f"CREATE OR REPLACE VIEW {quote(self.relation)} "
-            f"TBLPROPERTIES ('{PROP_STATE}' = '{self.state}', '{PROP_KIND}' = '{kind}') "
-            f"AS {apply.view_query(kind, columns, self.state)}"
+            f"TBLPROPERTIES ('{PROP_STATE}' = '{self.state}', '{PROP_KIND}' = '{kind}', "
+            f"'{PROP_LAYOUT}' = '{self.layout}') "
+            f"AS {apply.view_query(kind, columns, self.state, folded)}"
         )
+
+    def _check_layout(self, plan: Optional[Plan]) -> None:
+        """ivm_state_layout='append' where it cannot hold: a config error, before
+        anything is written."""
+        if self.config["ivm_state_layout"] != APPEND:
+            return
+        if not apply.append_eligible(plan):
+            raise IvmConfigError(
+                "ivm_state_layout 'append' keeps a state as appended layers of partial sums: it needs a "
+                "GROUP BY or scalar aggregate of COUNT, SUM and AVG only (no MIN/MAX, DISTINCT or plain "
+                "rows) that refreshes incrementally. Use ivm_state_layout: auto or merge for this model.")
+        if self.config["ivm_mv_dependents"]:
+            raise IvmConfigError(
+                "ivm_state_layout 'append' cannot serve an incremental_mv that reads this model: such a "
+                "reader follows the state's change feed, which would hold partial sums. Use "
+                "ivm_state_layout: auto or merge for this model.")
+
+    def _settle_layout(self, plan: Optional[Plan], old: Optional[Watermark], incremental: bool) -> None:
+        """The state's layout for this refresh. merge: one row per group, updated
+        in place by a MERGE. append: each refresh appends the window's per-group
+        change as a layer of rows and the view sums a group's rows (folded_state);
+        compacted every few layers. An append writes only the change (a MERGE
+        rewrites or marks every state file the change touches), at the cost of
+        reads that aggregate. 'auto' picks append for an eligible plan no
+        incremental_mv reads once a commit of its state wrote APPEND_AUTO_BYTES
+        (read from the history, no query); once append, it stays append."""
+        want = self.config["ivm_state_layout"]
+        if want != "auto":
+            self.layout = want
+        elif not apply.append_eligible(plan) or self.config["ivm_mv_dependents"] or old is None:
+            self.layout = MERGE
+        elif old.layout == APPEND or (incremental and old.written_bytes >= APPEND_AUTO_BYTES):
+            self.layout = APPEND
+        else:
+            self.layout = MERGE
 
     def _settle_dvs(self, old: Optional[Watermark], incremental: bool) -> None:
         """ivm_deletion_vectors='auto': on from the first incremental refresh that
@@ -787,6 +896,9 @@ class Refresher:
         old = watermark.versions()
         window = Window(old=old, new={s.physical: s.version for s in sources}, broadcast=broadcast)
         result.changed_sources = [s.name for s in sources if window.changed(s)]
+        if self.layout == APPEND:
+            self._append(plan, sources, watermark, result, window)
+            return
         change = apply.aggregate_change(plan, window) if plan.has_minmax else None
         if change is None:
             self._apply(plan, sources, watermark, result, window, None, None, 0)
@@ -841,9 +953,7 @@ class Refresher:
         # Delta skips a write whose (txnAppId, txnVersion) it has already committed
         # and returns no metrics row: look at the history only then.
         if not rows or not any(int(v or 0) for v in rows[0]):
-            recent = self.ex.query(f"DESCRIBE HISTORY {quote(self.state)} LIMIT 5")
-            written = [Watermark.from_json(r[13] if len(r) > 13 else None) for r in recent]
-            if not any(w is not None and w.run == self.run_id for w in written):
+            if self._my_commit() is None:
                 result.strategy = NOOP
                 result.reason = Reason("ALREADY_APPLIED", "a concurrent refresh already applied this change")
                 return
@@ -854,6 +964,61 @@ class Refresher:
             result.rows["recomputed_groups"] = recompute
         if watermark.dv_merges + 1 >= COMPACT_AFTER:
             self._compact(result)
+
+    def _append(self, plan: Plan, sources, watermark: Watermark, result: Result, window: Window) -> None:
+        """The append layout's one write: the window's per-group change as a layer
+        of rows, carrying the watermark and the idempotency key as the MERGE does;
+        then, every few layers, compaction (_fold)."""
+        types = watermark.columns
+        insert = apply.append_statement(plan, self.state, window, types)
+        wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), types)
+        if insert is None:
+            return
+        self._set_properties(watermark)
+        if watermark.layout != APPEND:
+            # The folding view first: it reads a state without layers the same
+            # as the plain one, so the model is right whatever happens next.
+            self._create_view(plan, plan.kind, plan.columns, types)
+        with self._commit(wm, watermark.commit_version):
+            _failpoint("before_commit")
+            self.ex.query(insert)
+            _failpoint("after_commit")
+        # An INSERT returns no metrics: the history says whether it committed
+        # (Delta skips a write whose idempotency key it has committed already).
+        mine = self._my_commit()
+        if mine is None:
+            result.strategy = NOOP
+            result.reason = Reason("ALREADY_APPLIED", "a concurrent refresh already applied this change")
+            return
+        appended = int(str(_as_map(mine[12]).get("numOutputRows") or 0).strip('"'))
+        result.rows = {"appended": appended}
+        appends, rows, base = watermark.layers if watermark.layout == APPEND else (0, 0, None)
+        appends, rows = appends + 1, rows + appended
+        if appends >= MAX_LAYERS or (base is not None and rows >= LAYER_FRACTION * max(base, 1)):
+            self._fold(plan, types, result)
+
+    def _fold(self, plan: Plan, types: dict, result: Result) -> None:
+        """Compaction of the append layout: the state rewritten as its folded rows
+        (one per group; a commit that changes no group's sums, after the
+        refresh's own). A refresh appending meanwhile conflicts with nothing: a
+        blind append survives an overwrite that did not read it. Maintenance
+        only: a failure leaves the refresh as it is and is retried next time."""
+        try:
+            self.ex.query(f"INSERT OVERWRITE {quote(self.state)} {apply.folded_state(plan, self.state, types)}")
+            result.rows["compacted"] = 1
+        except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
+            result.rows["compaction_failed"] = 1
+            result.notes.append(f"compaction of {self.state} failed: {str(e)[:200]}")
+
+    def _my_commit(self) -> Optional[tuple]:
+        """The state's recent commit made by this refresh (its DESCRIBE HISTORY
+        row), or None: Delta skipped the write, a concurrent refresh having
+        committed the same idempotency key first."""
+        for row in self.ex.query(f"DESCRIBE HISTORY {quote(self.state)} LIMIT 5"):
+            wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+            if wm is not None and wm.run == self.run_id:
+                return row
+        return None
 
     def _compact(self, result: Result) -> None:
         """Rewrite the state without the rows its MERGEs marked deleted (a commit

@@ -14,6 +14,7 @@
         'ivm_full_threshold': config.get('ivm_full_threshold'),
         'ivm_change_feed': config.get('ivm_change_feed', 'auto'),
         'ivm_deletion_vectors': config.get('ivm_deletion_vectors', 'auto'),
+        'ivm_state_layout': config.get('ivm_state_layout', 'auto'),
         'ivm_mv_dependents': adapter.ivm_has_mv_readers(graph.nodes, model.unique_id),
       }) -%}
   {%- set target_relation = this.incorporate(type='view') -%}

@@ -128,7 +128,7 @@ class SparkIvmAdapter(SparkAdapter):
         return IvmAdapterResponse(
             _message=message,
             code=result.strategy,
-            rows_affected=sum(result.rows.get(k, 0) for k in ("inserted", "updated", "deleted")) or None,
+            rows_affected=sum(result.rows.get(k, 0) for k in ("inserted", "updated", "deleted", "appended")) or None,
             reason=result.reason.code if result.reason else None,
             reason_detail=result.reason.detail if result.reason else None,
             seconds=round(result.seconds, 3),
