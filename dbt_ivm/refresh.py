@@ -547,6 +547,21 @@ def append_layers(history: list[tuple]) -> tuple[int, int, Optional[int]]:
     return appends, rows, None
 
 
+def fold_due(layers: tuple, appended: int) -> bool:
+    """Whether an append-layout state is compacted after an append of
+    ``appended`` rows onto ``layers`` (append_layers of the history before it):
+    after MAX_LAYERS appends, or once the appended rows reach LAYER_FRACTION of
+    the rows last written whole. A read of the model folds every layer, so this
+    bounds what reads pay; each compaction rewrites the state once.
+
+    >>> fold_due((0, 0, 1000), 400), fold_due((1, 400, 1000), 100), fold_due((MAX_LAYERS - 1, 9, None), 1)
+    (False, True, True)
+    """
+    appends, rows, base = layers
+    appends, rows = appends + 1, rows + appended
+    return appends >= MAX_LAYERS or (base is not None and rows >= LAYER_FRACTION * max(base, 1))
+
+
 _BYTES_WRITTEN = ("numOutputBytes", "numTargetBytesAdded", "numAddedBytes")
 
 
@@ -601,10 +616,11 @@ def _cdf_unavailable(e: BaseException) -> Reason:
         "(for an incremental_mv read by a model outside this dbt project, set ivm_change_feed: true on it)")
 
 
-def _failpoint(name: str) -> None:
+def _failpoint(name: str, relation: str) -> None:
     """Crash-test hook: ``DBT_IVM_FAILPOINT=<name>`` kills the process here
-    (SIGKILL, no cleanup), as a power cut would. Used by the exactly-once tests."""
-    if os.environ.get("DBT_IVM_FAILPOINT") == name:
+    (SIGKILL, no cleanup), as a power cut would; ``<name>:<relation>`` only in
+    that model's refresh. Used by the exactly-once tests."""
+    if os.environ.get("DBT_IVM_FAILPOINT") in (name, f"{name}:{relation}"):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -947,9 +963,9 @@ class Refresher:
         # Our MERGE source is small but expensive (deltas joined with snapshots):
         # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
         with self._commit(wm, watermark.commit_version, {"spark.databricks.delta.merge.materializeSource": "all"}):
-            _failpoint("before_commit")
+            _failpoint("before_commit", self.relation)
             rows = self.ex.query(merge)
-            _failpoint("after_commit")
+            _failpoint("after_commit", self.relation)
         # Delta skips a write whose (txnAppId, txnVersion) it has already committed
         # and returns no metrics row: look at the history only then.
         if not rows or not any(int(v or 0) for v in rows[0]):
@@ -980,9 +996,9 @@ class Refresher:
             # as the plain one, so the model is right whatever happens next.
             self._create_view(plan, plan.kind, plan.columns, types)
         with self._commit(wm, watermark.commit_version):
-            _failpoint("before_commit")
+            _failpoint("before_commit", self.relation)
             self.ex.query(insert)
-            _failpoint("after_commit")
+            _failpoint("after_commit", self.relation)
         # An INSERT returns no metrics: the history says whether it committed
         # (Delta skips a write whose idempotency key it has committed already).
         mine = self._my_commit()
@@ -992,9 +1008,7 @@ class Refresher:
             return
         appended = int(str(_as_map(mine[12]).get("numOutputRows") or 0).strip('"'))
         result.rows = {"appended": appended}
-        appends, rows, base = watermark.layers if watermark.layout == APPEND else (0, 0, None)
-        appends, rows = appends + 1, rows + appended
-        if appends >= MAX_LAYERS or (base is not None and rows >= LAYER_FRACTION * max(base, 1)):
+        if fold_due(watermark.layers if watermark.layout == APPEND else (0, 0, None), appended):
             self._fold(plan, types, result)
 
     def _fold(self, plan: Plan, types: dict, result: Result) -> None:

@@ -21,7 +21,7 @@ from dbt.cli.main import dbtRunner
 project = Path(sys.argv[1])
 action = sys.argv[2]
 failpoint = sys.argv[3] if len(sys.argv) > 3 else ""
-MODELS = ("agg", "bag")
+MODELS = ("agg", "bag", "sums")
 
 
 def spark():
@@ -89,6 +89,8 @@ if action == "run":
 else:
     again, again_ok = dbt("run")
     merges = [r.operation for r in spark().sql("describe history out.agg__ivm_state").collect()]
+    appends = [(r.operation, (r.operationParameters or {}).get("mode"))
+               for r in spark().sql("describe history out.sums__ivm_state").collect()]
     codes, test_ok = dbt("test")
     report(**fields, again=again, again_ok=again_ok, equal_again=equal(), test_ok=test_ok,
-           operations=merges, windows=windows())
+           operations=merges, sums_operations=appends, windows=windows())

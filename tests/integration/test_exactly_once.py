@@ -41,11 +41,17 @@ def _project(root: Path, schema: str = "out") -> None:
     (root / "models" / "sources.yml").write_text(
         "version: 2\nsources:\n  - name: src\n    schema: src\n    tables: [{name: t}]\n"
         "models:\n  - name: agg\n    data_tests: [ivm_consistent]\n  - name: bag\n    data_tests: [ivm_consistent]\n"
+        "  - name: sums\n    data_tests: [ivm_consistent]\n"
     )
     (root / "models" / "agg.sql").write_text(
         "select k, sum(v) as s, count(*) as n, min(v) as mn, max(v) as mx from {{ source('src', 't') }} group by k"
     )
     (root / "models" / "bag.sql").write_text("select k, v % 3 as r from {{ source('src', 't') }} where v > 2")
+    # the append layout's write path (an INSERT of the change as a layer)
+    (root / "models" / "sums.sql").write_text(
+        "{{ config(ivm_state_layout='append') }}\n"
+        "select k, sum(v) as s, count(*) as n, avg(v) as a from {{ source('src', 't') }} group by k"
+    )
 
 
 def _drive(project: Path, *args: str, kill_after: float = 0.0) -> dict:
@@ -73,62 +79,80 @@ def _drive(project: Path, *args: str, kill_after: float = 0.0) -> dict:
 
 
 def test_killed_refreshes_rerun_exactly(tmp_path):
-    """One project through three kills in a row, each followed by a rerun in a new
+    """One project through five kills in a row, each followed by a rerun in a new
     JVM over the same embedded metastore: killed before the commit (the rerun
     applies the window), right after it (the rerun has nothing left to apply:
-    NOOP), and at a time (whatever was in flight). Every rerun must leave each
-    model equal to a full recompute, and the agg state must hold exactly one
-    MERGE per change window: none lost, none applied twice."""
+    NOOP), for the MERGE path (agg, the first model dbt runs) and the append
+    path (sums, the last), then at a time (whatever was in flight). Every rerun
+    must leave each model equal to a full recompute, and each state must hold
+    exactly one write per change window: none lost, none applied twice."""
     project = tmp_path / "crash"
     _project(project)
-    both = {"agg": True, "bag": True}
+    every = {"agg": True, "bag": True, "sums": True}
+    incremental = {"agg": "INCREMENTAL", "bag": "INCREMENTAL", "sums": "INCREMENTAL"}
 
     first = _drive(project, "run", "before_commit")  # builds, applies window 1; window 2 in flight
-    assert first.get("build") == {"agg": "CREATE", "bag": "CREATE"} and first["build_ok"], first
-    assert first["rerun"] == {"agg": "INCREMENTAL", "bag": "INCREMENTAL"} and first["equal"] == both, first
+    assert first.get("build") == {"agg": "CREATE", "bag": "CREATE", "sums": "CREATE"} and first["build_ok"], first
+    assert first["rerun"] == incremental and first["equal"] == every, first
     assert first["killed"], first  # the failpoint really fired
 
     second = _drive(project, "run", "after_commit")  # window 3 in flight
     assert second["killed"], second
-    # killed before its commit: window 2 is applied by the rerun
-    assert second["rerun_ok"] and second["rerun"]["agg"] == "INCREMENTAL", second
-    assert second["equal"] == both, second
+    # killed before agg's commit, the first model: window 2 is applied by the rerun
+    assert second["rerun_ok"] and second["rerun"] == incremental, second
+    assert second["equal"] == every, second
 
-    # window 4, killed a few seconds into its run (parsing, or a refresh in flight;
-    # on a fast machine perhaps already done: the checks hold either way)
-    third = _drive(project, "run", "", kill_after=4.0)
+    third = _drive(project, "run", "before_commit:out.sums")  # window 4 in flight
+    assert third["killed"], third
     # agg's MERGE of window 3 committed right before the kill: nothing left for it
     assert third["rerun_ok"] and third["rerun"]["agg"] == "NOOP", third
-    assert third["equal"] == both, third
+    assert third["rerun"]["sums"] == "INCREMENTAL" and third["equal"] == every, third
 
-    v = _drive(project, "verify")  # recovers window 4, then applies window 5 normally
-    assert v["rerun_ok"] and v["equal"] == both, v
+    fourth = _drive(project, "run", "after_commit:out.sums")  # window 5 in flight
+    assert fourth["killed"], fourth
+    # sums was killed before its append of window 4 committed; agg and bag ran before it
+    assert fourth["rerun_ok"] and fourth["rerun"] == {"agg": "NOOP", "bag": "NOOP", "sums": "INCREMENTAL"}, fourth
+    assert fourth["equal"] == every, fourth
+
+    # window 6, killed a few seconds into its run (parsing, or a refresh in flight;
+    # on a fast machine perhaps already done: the checks hold either way)
+    fifth = _drive(project, "run", "", kill_after=4.0)
+    # sums' append of window 5 committed right before the kill: nothing left for it
+    assert fifth["rerun_ok"] and fifth["rerun"] == {"agg": "NOOP", "bag": "NOOP", "sums": "NOOP"}, fifth
+    assert fifth["equal"] == every, fifth
+
+    v = _drive(project, "verify")  # recovers window 6, then applies window 7 normally
+    assert v["rerun_ok"] and v["equal"] == every, v
     assert v["again_ok"] and set(v["again"].values()) == {"INCREMENTAL"}, v
-    assert v["equal_again"] == both, v
+    assert v["equal_again"] == every, v
     assert v["test_ok"], v
-    # one MERGE per change window into agg's state: none lost, none applied twice
-    assert v["windows"] == 5 and v["operations"].count("MERGE") == 5, v
+    # one write per change window into each state: none lost, none applied twice
+    assert v["windows"] == 7 and v["operations"].count("MERGE") == 7, v
+    # (sums' layers are compacted now and then: overwrites, which change no sum)
+    assert v["sums_operations"].count(["WRITE", "Append"]) == 7, v
 
 
-def test_concurrent_refreshes_apply_a_change_once(tmp_path):
+@pytest.mark.parametrize("layout", ["merge", "append"])
+def test_concurrent_refreshes_apply_a_change_once(tmp_path, layout):
     from dbt_ivm.refresh import INCREMENTAL, NOOP, Refresher
 
-    project = DbtProject(tmp_path / "conc", name="conc", schema="conc_out")
-    project.write("models/sources.yml", """
+    src, out = f"conc_src_{layout}", f"conc_out_{layout}"
+    project = DbtProject(tmp_path / "conc", name="conc", schema=out)
+    project.write("models/sources.yml", f"""
         version: 2
         sources:
           - name: src
-            schema: conc_src
-            tables: [{name: t}]
+            schema: {src}
+            tables: [{{name: t}}]
     """)
     project.write("models/agg.sql", """
-        {{ config(materialized='incremental_mv') }}
+        {{ config(materialized='incremental_mv', ivm_state_layout='""" + layout + """') }}
         select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k
     """)
-    sql("create schema if not exists conc_src")
-    sql("drop table if exists conc_src.t")
-    sql("create table conc_src.t (k int, v int) using delta tblproperties (delta.enableChangeDataFeed = true)")
-    sql("insert into conc_src.t select id % 5, id from range(0, 40)")
+    sql(f"create schema if not exists {src}")
+    sql(f"drop table if exists {src}.t")
+    sql(f"create table {src}.t (k int, v int) using delta tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"insert into {src}.t select id % 5, id from range(0, 40)")
     built = project.dbt("run")
     assert built.code("agg") == "CREATE"
     compiled = built.results["agg"].node.compiled_code
@@ -137,9 +161,9 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path):
     # refreshes may make before their MERGE): the write stays keyed to the
     # watermark both started from, so only one of them applies the change.
     for round_, feed in enumerate(("true", "false", "true")):
-        sql(f"insert into conc_src.t values ({round_}, 100), ({round_}, 100)")
-        sql(f"delete from conc_src.t where v = {round_ + 1}")
-        merges_before = _merges()
+        sql(f"insert into {src}.t values ({round_}, 100), ({round_}, 100)")
+        sql(f"delete from {src}.t where v = {round_ + 1}")
+        writes_before = _writes(out)
         outcomes: list = []
         barrier = threading.Barrier(2)
 
@@ -147,8 +171,8 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path):
             ex = SessionExecutor(spark().newSession())
             barrier.wait()
             try:
-                config = {"ivm_change_feed": feed}
-                outcomes.append(Refresher(ex, compiled, "conc_out.agg", config, False).run().strategy)
+                config = {"ivm_change_feed": feed, "ivm_state_layout": layout}
+                outcomes.append(Refresher(ex, compiled, f"{out}.agg", config, False).run().strategy)
             except Exception as e:  # a clean failure: Delta's conflict check
                 outcomes.append(f"error: {type(e).__name__}")
 
@@ -158,14 +182,19 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path):
         for t in threads:
             t.join()
         assert outcomes.count(INCREMENTAL) <= 1, outcomes
-        assert _merges() - merges_before <= 1, outcomes
-        assert change_feed_of("conc_out.agg__ivm_state") == feed
+        assert _writes(out) - writes_before <= 1, outcomes
+        assert change_feed_of(f"{out}.agg__ivm_state") == feed
         # whatever happened, one more refresh leaves the model exact, the change applied once
         final = project.dbt("run")
         assert final.code("agg") in (INCREMENTAL, NOOP)
-        assert _merges() - merges_before == 1, (outcomes, final.code("agg"))
-        assert check_model("conc_out.agg", compiled) is None
+        assert _writes(out) - writes_before == 1, (outcomes, final.code("agg"))
+        assert check_model(f"{out}.agg", compiled) is None
 
 
-def _merges() -> int:
-    return sum(1 for r in sql("describe history conc_out.agg__ivm_state") if r.operation == "MERGE")
+def _writes(out: str) -> int:
+    """The state's writes of a change: MERGEs, or appended layers (not the
+    compactions, which change no group's sums)."""
+    return sum(
+        1 for r in sql(f"describe history {out}.agg__ivm_state")
+        if r.operation == "MERGE" or (r.operation == "WRITE" and r.operationParameters.get("mode") == "Append")
+    )

@@ -110,3 +110,33 @@ def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
     # no MIN/MAX, no probe
     cat = Catalog({"db.a": Source("db.a", (("i", "int"),), kind="delta", version=3, cdf=True)})
     assert recompute_groups(build_plan("select i, count(*) as n from db.a group by i", cat), "db.s", window) is None
+
+
+def test_append_layout_statements():
+    import sqlglot
+
+    from dbt_ivm.apply import append_eligible, append_statement, folded_state, view_query
+    from dbt_ivm.delta import Window
+
+    cat = Catalog({"db.a": Source("db.a", (("i", "int"), ("j", "int"), ("d", "double")), kind="delta",
+                                   version=3, cdf=True)})
+    plan = build_plan("select i, count(*) as n, sum(d) as s, avg(j) as a, sum(d) / count(j) as r "
+                      "from db.a group by i", cat)
+    assert append_eligible(plan)
+    types = {"i": "int", "n": "bigint", "s": "double", "a": "double", "r": "double"}
+    insert = append_statement(plan, "db.s", Window(old={"db.a": 2}, new={"db.a": 3}), types)
+    folded = folded_state(plan, "db.s", types)
+    for statement in (insert, folded, view_query(plan.kind, plan.columns, "db.s", folded)):
+        sqlglot.parse_one(statement, read="spark")  # well-formed
+    # the layer: the change only (no state read, no snapshot), visible columns NULL, zero changes dropped
+    assert insert.startswith("INSERT INTO `db`.`s` SELECT CAST(NULL AS int) AS `i`")
+    assert "VERSION AS OF" not in insert and "`db`.`s`" not in insert.split(" SELECT ", 1)[1]
+    assert "COALESCE(s.__ivm_count, 0) <> 0 OR" in insert
+    # the fold: every layer summed per group, vanished groups dropped
+    assert "GROUP BY __ivm_k0 HAVING SUM(__ivm_count) > 0" in folded
+    assert append_statement(plan, "db.s", Window(old={"db.a": 3}, new={"db.a": 3}), types) is None
+    # a scalar aggregate is one row even when its input is empty: no HAVING
+    scalar = build_plan("select count(*) as n, sum(d) as s from db.a", cat)
+    assert "HAVING" not in folded_state(scalar, "db.s", {"n": "bigint", "s": "double"})
+    for sql in ("select i, min(j) as m from db.a group by i", "select distinct i from db.a", "select i from db.a"):
+        assert not append_eligible(build_plan(sql, cat))

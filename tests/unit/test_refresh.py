@@ -344,3 +344,98 @@ def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, gro
     assert result.rows.get("recomputed_groups") == (groups or None)
     assert r.recomputed == groups  # what the written watermark records
     assert bool(result.notes) == (last_recomputed == 0 and groups > 0)
+
+
+# --------------------------------------------------------------------------- state layout
+
+
+def test_state_layout_values():
+    assert validate_config({})["ivm_state_layout"] == "auto"
+    assert validate_config({"ivm_state_layout": "APPEND"})["ivm_state_layout"] == "append"
+    with pytest.raises(IvmConfigError, match=r"Invalid ivm_state_layout provided: 'log'.*auto .*merge, append"):
+        validate_config({"ivm_state_layout": "log"})
+
+
+def _plan(sql):
+    from dbt_ivm.catalog import Catalog
+    from dbt_ivm.plan import build_plan
+
+    cat = Catalog({"db.a": Source("db.a", (("i", "int"), ("v", "int")), kind=DELTA, version=5, cdf=True)})
+    return build_plan(sql, cat)
+
+
+SUMS = "select i, sum(v) as s, count(*) as n, avg(v) as a from db.a group by i"
+MINMAX = "select i, max(v) as m from db.a group by i"
+
+
+@pytest.mark.parametrize("setting,sql,readers,had,incremental,written,expected", [
+    ("auto", SUMS, False, "merge", True, 3 << 20, "append"),  # a big state: append
+    ("auto", SUMS, False, "merge", True, 1 << 20, "merge"),  # small: merge
+    ("auto", SUMS, False, "append", True, 0, "append"),  # once append, it stays append
+    ("auto", SUMS, False, "merge", False, 3 << 20, "merge"),  # a rebuild keeps what the state had
+    ("auto", SUMS, False, "append", False, 0, "append"),
+    ("auto", SUMS, True, "append", True, 3 << 20, "merge"),  # an incremental_mv reads it: rows, not layers
+    ("auto", MINMAX, False, "merge", True, 3 << 20, "merge"),  # MIN/MAX cannot be summed
+    ("auto", "select distinct i from db.a", False, "merge", True, 3 << 20, "merge"),
+    ("merge", SUMS, False, "append", True, 3 << 20, "merge"),  # told
+    ("append", SUMS, False, "merge", True, 0, "append"),
+])
+def test_state_layout_follows_plan_readers_and_size(setting, sql, readers, had, incremental, written, expected):
+    from dbt_ivm.refresh import Refresher
+
+    ex = _Recorder()
+    r = Refresher(ex, sql, "db.m", {"ivm_state_layout": setting, "ivm_mv_dependents": readers}, False)
+    old = wm()
+    old.layout, old.written_bytes = had, written
+    r._settle_layout(_plan(sql), old, incremental)
+    assert r.layout == expected
+    assert ex.sql == []  # decided from the history already read: no query
+    r._settle_layout(_plan(sql), None, False)  # a first build
+    assert r.layout == ("append" if setting == "append" else "merge")
+
+
+@pytest.mark.parametrize("sql,readers,says", [
+    (MINMAX, False, "no MIN/MAX"),
+    ("select i, v from db.a", False, "no MIN/MAX, DISTINCT or plain rows"),
+    (SUMS, True, "reads this model"),
+])
+def test_append_where_it_cannot_hold_is_a_config_error(sql, readers, says):
+    from dbt_ivm.refresh import Refresher
+
+    r = Refresher(_Recorder(), sql, "db.m", {"ivm_state_layout": "append", "ivm_mv_dependents": readers}, False)
+    with pytest.raises(IvmConfigError, match="ivm_state_layout 'append'") as e:
+        r._check_layout(_plan(sql))
+    assert says in str(e.value) and "auto or merge" in str(e.value)
+    Refresher(_Recorder(), sql, "db.m", {"ivm_mv_dependents": readers}, False)._check_layout(_plan(sql))  # auto: fine
+
+
+def test_watermark_keeps_layout_but_not_layers():
+    w = wm()
+    w.layout, w.layers = "append", (3, 30, 100)
+    back = Watermark.from_json(w.to_json())
+    assert back.layout == "append" and back.layers == (0, 0, None)
+    old = Watermark.from_json(wm().to_json().replace(',"layout":"merge"', ""))  # written before layouts
+    assert old.layout == "merge"
+
+
+def test_append_layers_count_back_to_the_last_whole_write():
+    from dbt_ivm.refresh import append_layers
+
+    def row(op, mode=None, rows=None):
+        return (1, None, None, None, op, {"mode": mode} if mode else {}, None, None, None, 0, None, False,
+                {"numOutputRows": str(rows)} if rows is not None else {})
+
+    appended = [row("WRITE", "Append", 10), row("SET TBLPROPERTIES"), row("WRITE", "Append", 5)]
+    assert append_layers(appended + [row("WRITE", "Overwrite", 90)]) == (2, 15, 90)
+    assert append_layers(appended + [row("CREATE OR REPLACE TABLE AS SELECT", rows=70)]) == (2, 15, 70)
+    # layers since a MERGE (the layout became append) or beyond the rows read: base unknown
+    assert append_layers(appended + [row("MERGE"), row("WRITE", "Overwrite", 90)]) == (2, 15, None)
+    assert append_layers(appended) == (2, 15, None)
+
+
+def test_a_layered_upstream_rebuilds_with_its_reason():
+    from dbt_ivm.catalog import LAYERED
+
+    up = Source("db.up", (("i", "int"),), kind=LAYERED, cdf=False)
+    d = run(sources=[SRC, up])
+    assert d.strategy == FULL and d.reason.code == "SOURCE_LAYERED" and "merge" in d.reason.hint

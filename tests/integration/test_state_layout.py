@@ -1,0 +1,200 @@
+"""The append (merge-on-read) state layout, ``ivm_state_layout``.
+
+Under ``append`` a refresh appends the window's per-group change (signed partial
+sums) to the state as a layer of rows instead of MERGEing it in place; the
+model's view folds a group's rows (``apply.folded_state``), and every few
+layers the refresh compacts the state back to one row per group. ``auto``
+switches an eligible model (an aggregate of COUNT/SUM/AVG that no incremental_mv
+reads) to it once its state is big. Every step is compared with a full
+recompute; the layer bookkeeping is checked in the state's history."""
+
+from __future__ import annotations
+
+import pytest
+
+from dbt_ivm import refresh
+from tests.harness import DbtProject, SessionExecutor, check_model, fresh_schemas, sql
+
+pytestmark = pytest.mark.spark
+
+SRC, OUT = "lay_src", "lay_out"
+
+SUMS = """
+    {{ config(materialized='incremental_mv', ivm_state_layout='append') }}
+    select b.label, a.k, count(*) as n, sum(a.v) as sv, count(a.v) as nv, avg(a.w) as aw,
+           sum(a.v) / count(*) as per_row
+    from {{ source('src', 't') }} a join {{ source('src', 'd') }} b on a.g = b.g
+    group by b.label, a.k
+"""
+TOTAL = """
+    {{ config(materialized='incremental_mv', ivm_state_layout='append') }}
+    select count(*) as n, sum(v) as s, avg(w) as aw from {{ source('src', 't') }} where v > 100
+"""
+GROWN = """
+    {{ config(materialized='incremental_mv'%s) }}
+    select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    p = DbtProject(tmp_path_factory.mktemp("layout"), name="layout", schema=OUT)
+    fresh_schemas(OUT, SRC)
+    props = "using delta tblproperties (delta.enableChangeDataFeed = true)"
+    sql(f"create table {SRC}.t (k int, g string, v int, w double) {props}")
+    sql(f"create table {SRC}.d (g string, label string) {props}")
+    sql(f"insert into {SRC}.t select id % 6, concat('g', id % 4), id, id / 4.0 from range(0, 240)")
+    sql(f"insert into {SRC}.t values (null, 'g1', 7, null), (2, 'g2', null, 1.5), (2, 'g2', null, 1.5)")
+    sql(f"insert into {SRC}.d values ('g0', 'red'), ('g1', 'red'), ('g2', 'blue'), ('g3', null)")
+    p.write_sources(SRC, "t", "d")
+    p.write("models/sums.sql", SUMS)
+    p.write("models/total.sql", TOTAL)
+    p.write("models/grown.sql", GROWN % "")
+    p.write("models/schema.yml", """
+        version: 2
+        models:
+          - {name: sums, data_tests: [ivm_consistent]}
+          - {name: total, data_tests: [ivm_consistent]}
+          - {name: grown, data_tests: [ivm_consistent]}
+    """)
+    return p
+
+
+def _exact(out, *models: str) -> None:
+    assert out.success, out.exception
+    for m in models:
+        assert check_model(f"{OUT}.{m}", out.results[m].node.compiled_code) is None, m
+
+
+def _layout(model: str) -> str:
+    return {r[0]: r[1] for r in sql(f"show tblproperties {OUT}.{model}")}.get(refresh.PROP_LAYOUT)
+
+
+def _state_rows(model: str) -> int:
+    return sql(f"select count(*) from {OUT}.{model}__ivm_state")[0][0]
+
+
+def test_append_layout_through_changes_and_compaction(project, monkeypatch):
+    monkeypatch.setattr(refresh, "MAX_LAYERS", 3)  # compaction every third append
+    monkeypatch.setattr(refresh, "LAYER_FRACTION", 1e9)  # ... and not by size
+    out = project.dbt("run", "--select", "sums", "total")
+    assert out.code("sums") == "CREATE" and out.code("total") == "CREATE"
+    _exact(out, "sums", "total")
+    assert _layout("sums") == "append" and _layout("total") == "append"
+    groups = sql(f"select count(*) from {OUT}.sums")[0][0]
+    assert _state_rows("sums") == groups  # a build writes one row per group
+
+    steps = [
+        # new rows: a NULL group key, NULL inputs, a new group, duplicates
+        [f"insert into {SRC}.t values (null, 'g0', 500, 2.0), (9, 'g3', null, null), (9, 'g3', null, null), "
+         f"(1, 'g1', 150, 0.5), (1, 'g1', 150, 0.5)"],
+        # a whole group vanishes, values become NULL, rows move between groups,
+        # a dimension row moves every fact row of it to another label; the
+        # scalar aggregate's input empties
+        [f"delete from {SRC}.t where k = 3", f"update {SRC}.t set v = null where k = 4 and v < 50",
+         f"update {SRC}.t set k = 5 where k = 0 and v % 7 = 0", f"update {SRC}.d set label = 'blue' where g = 'g0'",
+         f"delete from {SRC}.t where v > 100"],
+        # the vanished group reappears; the scalar input too
+        [f"insert into {SRC}.t values (3, 'g2', 1000, 9.0), (3, 'g2', 1, 9.5)"],
+        # a change that leaves every sum as it was (an update to the same values)
+        [f"update {SRC}.t set w = w where k = 1"],
+    ]
+    compacted = []
+    for i, statements in enumerate(steps):
+        for s in statements:
+            sql(s)
+        out = project.dbt("run", "--select", "sums", "total")
+        _exact(out, "sums", "total")
+        for m in ("sums", "total"):
+            assert out.code(m) == "INCREMENTAL", out.response(m)
+            rows = out.response(m).get("rows") or {}
+            assert "appended" in rows, rows
+            if rows.get("compacted"):
+                compacted.append((m, i))
+    # an update to the same values appends nothing: its per-group change is zero
+    assert (out.response("sums").get("rows") or {}).get("appended") == 0
+    assert out.response("total")["rows"]["appended"] == 0
+    assert compacted == [("sums", 2), ("total", 2)], compacted
+    history = sql(f"describe history {OUT}.sums__ivm_state")
+    writes = [(r.operation, r.operationParameters.get("mode")) for r in history]
+    assert writes[:5] == [("WRITE", "Append"), ("WRITE", "Overwrite"), ("WRITE", "Append"),
+                          ("WRITE", "Append"), ("WRITE", "Append")], writes
+    # the compaction folded the layers: one row per group, none with a zero count, then one layer
+    assert sql(f"select count(*) from {OUT}.sums__ivm_state where __ivm_count = 0")[0][0] == 0
+    _, wm = refresh.read_watermark(SessionExecutor(), f"{OUT}.sums__ivm_state")
+    assert wm.layout == "append" and wm.layers[0] == 1 and wm.layers[2] is not None, wm.layers
+    assert project.dbt("test", "--select", "sums", "total").success
+
+
+def test_auto_layout_switches_big_states_and_back_to_merge(project, monkeypatch):
+    out = project.dbt("run", "--select", "grown")
+    assert out.code("grown") == "CREATE" and _layout("grown") == "merge"  # auto starts as merge
+    sql(f"insert into {SRC}.t values (7, 'g0', 70, 1.0)")
+    out = project.dbt("run", "--select", "grown")
+    _exact(out, "grown")
+    assert _layout("grown") == "merge" and "appended" not in (out.response("grown").get("rows") or {})
+
+    # a state is "big" from APPEND_AUTO_BYTES written by one of its commits:
+    # lowered to one byte here (the reading of the history and the switch are the same code)
+    monkeypatch.setattr(refresh, "APPEND_AUTO_BYTES", 1)
+    sql(f"delete from {SRC}.t where k = 7")
+    out = project.dbt("run", "--select", "grown")
+    _exact(out, "grown")
+    assert out.code("grown") == "INCREMENTAL" and "appended" in out.response("grown")["rows"]
+    assert _layout("grown") == "append"
+    monkeypatch.setattr(refresh, "APPEND_AUTO_BYTES", 1 << 40)  # once append, it stays append
+    sql(f"insert into {SRC}.t values (8, 'g1', 80, 1.0)")
+    out = project.dbt("run", "--select", "grown")
+    _exact(out, "grown")
+    assert _layout("grown") == "append" and "appended" in out.response("grown")["rows"]
+
+    # told to merge: the layers go by a rebuild (a config change, allowed under any policy)
+    project.write("models/grown.sql", GROWN % ", ivm_state_layout='merge', ivm_policy='incremental'")
+    sql(f"update {SRC}.t set v = v + 1 where k = 8")
+    out = project.dbt("run", "--select", "grown")
+    _exact(out, "grown")
+    assert out.code("grown") == "FULL" and out.response("grown")["reason"] == "STATE_LAYOUT_CHANGED"
+    assert _layout("grown") == "merge"
+    sql(f"update {SRC}.t set v = v + 1 where k = 8")
+    out = project.dbt("run", "--select", "grown")
+    _exact(out, "grown")
+    assert out.code("grown") == "INCREMENTAL" and "updated" in out.response("grown")["rows"]
+
+
+def test_a_reader_of_an_append_model_rebuilds_with_a_reason(project, tmp_path):
+    """A model outside the project reading an append-layout model's view cannot
+    follow its state's change feed (partial sums): it rebuilds, saying why."""
+    reader = DbtProject(tmp_path / "reader", name="reader", schema=f"{OUT}_reader")
+    reader.write_sources(OUT, "sums", name="up")
+    reader.write("models/by_label.sql", """
+        {{ config(materialized='incremental_mv') }}
+        select label, sum(n) as n, count(*) as groups from {{ source('up', 'sums') }} group by label
+    """)
+    out = reader.dbt("run")
+    assert out.code("by_label") == "CREATE", out.exception
+    sql(f"insert into {SRC}.t values (11, 'g1', 3, 0.25)")
+    assert project.dbt("run", "--select", "sums").code("sums") == "INCREMENTAL"
+    out = reader.dbt("run")
+    assert out.code("by_label") == "FULL" and out.response("by_label")["reason"] == "SOURCE_LAYERED"
+    assert check_model(f"{OUT}_reader.by_label", out.results["by_label"].node.compiled_code) is None
+
+
+@pytest.mark.parametrize("name, body, says", [
+    ("with_minmax", "select k, max(v) as hi from {{ source('src', 't') }} group by k", "no MIN/MAX"),
+    ("read_by_mv", "select k, sum(v) as s from {{ source('src', 't') }} group by k", "reads this model"),
+])
+def test_append_where_it_cannot_hold_is_an_error_and_writes_nothing(project, name, body, says):
+    project.write(f"models/{name}.sql", "{{ config(materialized='incremental_mv', ivm_state_layout='append') }}\n"
+                  + body)
+    if name == "read_by_mv":
+        project.write("models/on_top.sql", "{{ config(materialized='incremental_mv') }}\n"
+                      "select count(*) as n from {{ ref('read_by_mv') }}")
+    try:
+        out = project.dbt("run", "--select", name)
+    finally:
+        (project.root / "models" / f"{name}.sql").unlink()
+        (project.root / "models" / "on_top.sql").unlink(missing_ok=True)
+    assert not out.success
+    msg = out.results[name].message
+    assert "ivm_state_layout 'append'" in msg and says in msg and "auto or merge" in msg, msg
+    assert not [r for r in sql(f"show tables in {OUT}") if r.tableName.startswith(name)]
