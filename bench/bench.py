@@ -81,6 +81,9 @@ def parse_args() -> argparse.Namespace:
                    help="skip comparing each incremental result with a recompute of the model SQL")
     p.add_argument("--timings", action="store_true",
                    help="print the time of every SQL statement of each refresh (sets DBT_IVM_TIMINGS=1)")
+    p.add_argument("--chain", type=int, default=6,
+                   help="after the repeats, this many change + incremental rounds in a row with no rebuild "
+                        "between (default 6): the steady state, with the state's upkeep (compaction) included")
     p.add_argument("--reuse", action="store_true",
                    help="keep the workspace of an earlier run with the same --rows (sources and built models): "
                         "no generation, no first build; the rounds go on from where it stopped")
@@ -281,6 +284,17 @@ class Bench:
         self.sql(f"create or replace table {PLAIN_SCHEMA}.{model} using delta as {self.body(model)}")
         return time.perf_counter() - start
 
+    def read_seconds(self, relation: str) -> float:
+        """Seconds to read every row and column of a relation once (a hash of each
+        row, summed): what a query of the model pays, layers folded included."""
+        start = time.perf_counter()
+        self.sql(f"select count(*), sum(hash(*)) from {relation}")
+        return time.perf_counter() - start
+
+    def layout(self, model: str) -> str:
+        props = {r[0]: r[1] for r in self.sql(f"show tblproperties {MV_SCHEMA}.{model}")}
+        return props.get("dbt_ivm.layout", "merge")
+
     def check(self, model: str) -> str | None:
         """None when the model equals a recompute of its SQL (EXCEPT ALL both ways)."""
         body = self.body(model)
@@ -331,7 +345,8 @@ def main() -> None:
               f"({b.n_customers:,} rows) in {gen_s:.1f}s", flush=True)
 
     timings = {m: {"incremental": [], "incremental_wall": [], "full": [], "full_wall": [],
-                   "noop": [], "noop_wall": [], "create": None, "change": [], "plain": []} for m in MODELS}
+                   "noop": [], "noop_wall": [], "create": None, "change": [], "plain": [],
+                   "chain": [], "compactions": 0} for m in MODELS}
     problems: list[str] = []
 
     def expect(model: str, phase: str, resp: dict, wall: float, code: str) -> None:
@@ -388,6 +403,31 @@ def main() -> None:
             timings[m]["noop"].append(resp.get("seconds") or 0)
             timings[m]["noop_wall"].append(wall)
 
+    for c in range(args.chain):
+        t = time.perf_counter()
+        change = b.apply_change(args.warmup + args.repeats + c)
+        print(f"\nchained {c + 1}/{args.chain}: changed bench.orders in {time.perf_counter() - t:.1f}s "
+              f"({change['total']} rows); no rebuild since the last round", flush=True)
+        for m in MODELS:
+            resp, wall = b.dbt("run", select=m)
+            expect(m, "chained", resp, wall, "INCREMENTAL")
+            timings[m]["chain"].append(resp.get("seconds") or 0)
+            rows = resp.get("rows") or {}
+            timings[m]["compactions"] += bool(rows.get("compacted"))
+    for m in MODELS:
+        if args.chain and not args.no_check:
+            diff = b.check(m)
+            if diff:
+                problems.append(f"{m}: after the chained refreshes: {diff}")
+                loud(problems[-1])
+        timings[m]["layout"] = b.layout(m)
+        b.read_seconds(f"{MV_SCHEMA}.{m}")  # warm
+        timings[m]["read"] = b.read_seconds(f"{MV_SCHEMA}.{m}")
+        b.read_seconds(f"{PLAIN_SCHEMA}.{m}")
+        timings[m]["plain_read"] = b.read_seconds(f"{PLAIN_SCHEMA}.{m}")
+        print(f"  {'read':12} {m:24} {timings[m]['read']:.2f}s ({timings[m]['layout']} layout); "
+              f"plain table {timings[m]['plain_read']:.2f}s", flush=True)
+
     total_s = time.perf_counter() - t0
     report = render(b, args, timings, problems, gen_s, total_s)
     print("\n" + report, flush=True)
@@ -417,6 +457,25 @@ def render(b: Bench, args, timings: dict, problems: list, gen_s: float, total_s:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     table = "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    chain_table = ""
+    if args.chain:
+        head2 = ["model", "state layout", "chained incremental s (mean)", "max s", "compactions",
+                 "ratio mean/full", "read s", "plain table read s"]
+        rows2 = []
+        for m, t in timings.items():
+            mean, full = statistics.mean(t["chain"]), med(t["full"])
+            rows2.append([m, t["layout"], f"{mean:.2f}", f"{max(t['chain']):.2f}", str(t["compactions"]),
+                          f"{mean / full:.3f}" if full else "n/a", f"{t['read']:.2f}", f"{t['plain_read']:.2f}"])
+        w2 = [max(len(h), *(len(r[i]) for r in rows2)) for i, h in enumerate(head2)]
+        line2 = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, w2)) + " |"  # noqa: E731
+        chain_table = "\n".join([
+            f"Steady state: {args.chain} change + incremental rounds in a row after the repeats, no rebuild "
+            "between, so the state's upkeep (compaction of appended layers, or of deletion vectors) falls "
+            "inside them; the mean is the amortized refresh. `read s`: one read of every row and column "
+            "of the model after them (`select count(*), sum(hash(*))`, warm), against the same read of the "
+            "plain table.",
+            "",
+            line2(head2), "|" + "|".join("-" * (w + 2) for w in w2) + "|", *map(line2, rows2), ""])
     spark = b.spark
     lines = [
         "# dbt-ivm benchmark: incremental refresh vs full rebuild",
@@ -441,6 +500,7 @@ def render(b: Bench, args, timings: dict, problems: list, gen_s: float, total_s:
         "",
         table,
         "",
+        chain_table,
     ]
     if problems:
         lines += ["## Problems", "", *[f"- {p}" for p in problems], ""]

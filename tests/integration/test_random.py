@@ -11,6 +11,8 @@ feed on) in schema ``rnd_src``; the models land in ``rnd_out``:
 * ``m5_union``      UNION ALL of filtered arms (t_a twice, overlapping filters, plus t_b)
 * ``m6_scalar``     scalar aggregate (no GROUP BY) over a table that sometimes empties
 * ``m7_chain``      grouped aggregate over ``ref('m1_agg')``
+* ``m8_join_sums``  3-way join + COUNT/SUM/AVG, kept as appended layers (``ivm_state_layout='append'``),
+  compacted now and then
 
 Each round a seeded ``random.Random`` writes 1-6 DML statements for most tables
 (INSERT VALUES with NULLs and exact duplicate rows, INSERT ... SELECT copies of
@@ -32,7 +34,7 @@ fails from a fresh build of the pre-round table contents.
 
 Environment:
 
-* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 29: 7 models per round, so 203 model
+* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 29: 8 models per round, so 232 model
   refreshes, each compared with a full recompute; each round is one `dbt run` plus the checks, tens of seconds
   on a 2-core machine). ``DBT_IVM_RANDOM_ROUNDS=2000`` for a long run.
 * ``DBT_IVM_RANDOM_SEED`` (default 20261121).
@@ -160,6 +162,15 @@ MODELS: dict[str, tuple[str, tuple, tuple]] = {
         select count(*) as n, count(w) as nw, sum(w) as s, avg(w) as av, min(w) as mn, max(w) as mx
         from {src('t_b')}
     """, ("t_b",), ()),
+    "m8_join_sums": ("""
+        {{ config(ivm_state_layout='append') }}
+        select b.jk2, c.cat, count(*) as n, sum(a.v) as sv, count(b.w) as nw, avg(c.x) as ax,
+               sum(a.v * b.w) as svw, sum(a.v) / count(*) as per_row
+        from {{ source('rnd', 't_a') }} a
+        inner join {{ source('rnd', 't_b') }} b on a.jk = b.jk
+        inner join {{ source('rnd', 't_c') }} c on b.jk2 = c.jk2
+        group by b.jk2, c.cat
+    """, ("t_a", "t_b", "t_c"), ()),
     "m7_chain": ("""
         select mx, count(*) as groups, sum(n) as rows_total, sum(s) as s_total, min(mn) as mn
         from {{ ref('m1_agg') }}
