@@ -19,7 +19,9 @@ is checked:
 Select cases with DBT_IVM_CASES=D01,D03 (default: all). The `dbt test` audit of
 every scenario model (ivm_consistent) runs with DBT_IVM_SCENARIO_FULL=1 (off in
 the default `./run test`, which must fit CI's time limit on a 2-core machine;
-the crash test and the demo run `dbt test`).
+the crash test and the demo run `dbt test`). DBT_IVM_SCENARIO_LAYOUT=append
+keeps every eligible model's state as appended layers (ivm_state_layout='auto'
+with no size threshold), so the cases run through that layout's write path.
 """
 
 from __future__ import annotations
@@ -224,10 +226,20 @@ class Suite:
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     s = Suite(tmp_path_factory.mktemp("scenarios"), load_cases())
-    s.run()
-    if os.environ.get("DBT_IVM_SCENARIO_FULL", "0") == "1":
-        s.run_audit()
+    with pytest.MonkeyPatch.context() as mp:
+        if os.environ.get("DBT_IVM_SCENARIO_LAYOUT") == "append":
+            # every model ivm_state_layout='auto' may keep as appended layers does
+            # so from its first incremental refresh (dbt runs in this process)
+            from dbt_ivm import refresh
+
+            mp.setattr(refresh, "APPEND_AUTO_BYTES", 0)
+        s.run()
+        if os.environ.get("DBT_IVM_SCENARIO_FULL", "0") == "1":
+            s.run_audit()
     print("\n" + s.table())
+    layouts = [r[1] for v in sql(f"show views in {OUT}")
+               for r in sql(f"show tblproperties {OUT}.{v.viewName}") if r[0] == "dbt_ivm.layout"]
+    print(f"state layouts at the end: {layouts.count('append')} append, {layouts.count('merge')} merge")
     return s
 
 
