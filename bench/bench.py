@@ -6,8 +6,10 @@ incremental_mv models in a dbt project generated under the workspace, then per
 repeat: changes ``--change`` of the fact rows (70% inserts, 20% deletes, 10%
 updates), times ``dbt run`` (expects INCREMENTAL), times ``dbt run
 --full-refresh`` at the same source state (FULL) and a ``dbt run`` with no
-change (NOOP). Prints medians and the ratio incremental/full per model, and
-writes the same table to bench/results/latest.md.
+change (NOOP). Then ``--chain`` change + incremental rounds in a row with no
+rebuild between (the steady state, state upkeep included) and one read of each
+model. Prints medians and the ratio incremental/full per model, and writes the
+same tables to bench/results/latest.md.
 
 dbt runs in-process (dbtRunner), so one Spark session serves every run.
 

@@ -483,9 +483,11 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
     return current, None
 
 
-# Operations that rewrite every live row of a table (no deletion vector survives).
-_REWRITES = ("OPTIMIZE", "REORG", "CREATE TABLE AS SELECT", "CREATE OR REPLACE TABLE AS SELECT",
-             "REPLACE TABLE AS SELECT")
+# Operations that write every row of a table anew (no appended layer survives;
+# a WRITE in Overwrite mode too), and those that rewrite every live row of it
+# (no deletion vector survives).
+_WHOLE_WRITES = ("CREATE TABLE AS SELECT", "CREATE OR REPLACE TABLE AS SELECT", "REPLACE TABLE AS SELECT")
+_REWRITES = ("OPTIMIZE", "REORG") + _WHOLE_WRITES
 
 
 def dv_merges(history: list[tuple]) -> int:
@@ -540,7 +542,7 @@ def append_layers(history: list[tuple]) -> tuple[int, int, Optional[int]]:
         if op == "WRITE" and mode == "Append":
             appends += 1
             rows += int(str(metrics.get("numOutputRows") or 0).strip('"'))
-        elif op in _REWRITES[2:] or (op == "WRITE" and mode == "Overwrite"):
+        elif op in _WHOLE_WRITES or (op == "WRITE" and mode == "Overwrite"):
             return appends, rows, int(str(metrics.get("numOutputRows") or 0).strip('"'))
         elif op not in _NO_ROW_CHANGE_OPS:
             break
@@ -1014,9 +1016,11 @@ class Refresher:
     def _fold(self, plan: Plan, types: dict, result: Result) -> None:
         """Compaction of the append layout: the state rewritten as its folded rows
         (one per group; a commit that changes no group's sums, after the
-        refresh's own). A refresh appending meanwhile conflicts with nothing: a
-        blind append survives an overwrite that did not read it. Maintenance
-        only: a failure leaves the refresh as it is and is retried next time."""
+        refresh's own). A layer appended meanwhile by another refresh makes
+        Delta reject the overwrite (it read the table: ConcurrentAppendException,
+        checked by hand), never lose the layer; an append that commits after it
+        conflicts with nothing. Maintenance only: a failure leaves the refresh as
+        it is and is retried next time."""
         try:
             self.ex.query(f"INSERT OVERWRITE {quote(self.state)} {apply.folded_state(plan, self.state, types)}")
             result.rows["compacted"] = 1
