@@ -180,35 +180,29 @@ def validate_config(config: dict) -> dict:
             "Expected a number in (0, 1]: the fraction of a source's rows that may change "
             "before ivm_policy='auto' rebuilds instead of refreshing incrementally."
         )
-    feed = config.get("ivm_change_feed")
-    feed = "auto" if feed is None else str(feed).lower()
-    if feed not in CHANGE_FEED:
-        raise IvmConfigError(
-            f"Invalid ivm_change_feed provided: {config.get('ivm_change_feed')!r}. "
-            "Expected one of: auto (on when an incremental_mv of this project reads this model), "
-            "true, false."
-        )
-    dvs = config.get("ivm_deletion_vectors")
-    dvs = "auto" if dvs is None else str(dvs).lower()
-    if dvs not in DELETION_VECTORS:
-        raise IvmConfigError(
-            f"Invalid ivm_deletion_vectors provided: {config.get('ivm_deletion_vectors')!r}. "
-            f"Expected one of: auto (on once the state table is {DV_AUTO_BYTES >> 20} MiB), true, false."
-        )
-    layout = config.get("ivm_state_layout")
-    layout = "auto" if layout is None else str(layout).lower()
-    if layout not in LAYOUTS:
-        raise IvmConfigError(
-            f"Invalid ivm_state_layout provided: {config.get('ivm_state_layout')!r}. "
-            f"Expected one of: auto (append for a big aggregate state without MIN/MAX that no "
-            f"incremental_mv reads, else merge), merge, append."
-        )
+    feed = _choice(config, "ivm_change_feed", CHANGE_FEED,
+                   "auto (on when an incremental_mv of this project reads this model), true, false")
+    dvs = _choice(config, "ivm_deletion_vectors", DELETION_VECTORS,
+                  f"auto (on once the state table is {DV_AUTO_BYTES >> 20} MiB), true, false")
+    layout = _choice(config, "ivm_state_layout", LAYOUTS,
+                     "auto (append for a big aggregate state without MIN/MAX that no incremental_mv reads, "
+                     "else merge), merge, append")
     return {
         "ivm_policy": policy, "ivm_full_threshold": threshold, "ivm_change_feed": feed,
         "ivm_deletion_vectors": dvs, "ivm_state_layout": layout,
         # set by the materialization from the dbt graph, not by users
         "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
     }
+
+
+def _choice(config: dict, key: str, values: tuple, expected: str) -> str:
+    """A config value from ``values`` (unset: 'auto'), lower-cased; else an
+    IvmConfigError naming the value given and the ``expected`` ones."""
+    value = config.get(key)
+    value = "auto" if value is None else str(value).lower()
+    if value not in values:
+        raise IvmConfigError(f"Invalid {key} provided: {config.get(key)!r}. Expected one of: {expected}.")
+    return value
 
 
 def has_mv_readers(nodes: dict, unique_id: str) -> bool:
