@@ -86,7 +86,7 @@ def _bag_merge(plan: Plan, state: str, window: Window) -> Optional[str]:
 # multiplicity), so a window that removes the current extreme usually finds the
 # next one in the state instead of re-reading the group from the sources.
 TOP_K = 16
-V, ACC, D = f"{PREFIX}v", f"{PREFIX}acc", f"{PREFIX}del"  # lambda variables
+V, ACC, D, M = f"{PREFIX}v", f"{PREFIX}acc", f"{PREFIX}del", f"{PREFIX}m"  # lambda variables
 
 
 def _top_k(a, x: str, weight: str, unit: bool = False) -> str:
@@ -167,9 +167,14 @@ RAN_OUT = "DBT_IVM_TOPK_RAN_OUT"
 def _guarded(a, merged: str) -> str:
     """The merged top-k of a MERGE that runs without a recompute: an empty one for
     a group that still has values fails the statement (nothing is committed), so
-    the optimistic MERGE can never write a wrong MIN/MAX."""
+    the optimistic MERGE can never write a wrong MIN/MAX. ``merged`` is evaluated
+    once: aggregate() over a one-element array binds it to a lambda variable (the
+    merge's higher-order functions run interpreted and are not shared as common
+    subexpressions; evaluating them twice per row cost ~2 s of a 100 M-row
+    benchmark MERGE, docs/NOTES.md)."""
     nn = f"(t.{a.col('nn')} + s.{a.col('nn')})"
-    return f"CASE WHEN size({merged}) = 0 AND {nn} > 0 THEN raise_error('{RAN_OUT}') ELSE {merged} END"
+    check = f"CASE WHEN size({M}) = 0 AND {nn} > 0 THEN raise_error('{RAN_OUT}') ELSE {M} END"
+    return f"aggregate(array(0), {merged}, ({ACC}, {D}) -> {ACC}, {M} -> {check})"
 
 
 def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False) -> dict[str, str]:
@@ -180,6 +185,7 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False) -
         return f"(t.{col} + s.{col})" if t else f"s.{col}"
 
     out: dict[str, str] = {}
+    unguarded: dict[str, str] = {}  # what the visible MIN/MAX read: the top-k without the guard
     for i in range(len(plan.keys)):
         out[f"{PREFIX}k{i}"] = f"s.{PREFIX}k{i}"
     out[COUNT] = plus(COUNT)
@@ -192,13 +198,14 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False) -
         if a.func in ("min", "max"):
             if not t:
                 out[a.col("top")] = f"s.{a.col('ins')}"
-            elif guard:
-                out[a.col("top")] = _guarded(a, _merged_top(a, "t", "s"))
+            elif guard:  # the top-k column fails the statement if it ran out; the visible value need not
+                unguarded[a.col("top")] = _merged_top(a, "t", "s")
+                out[a.col("top")] = _guarded(a, unguarded[a.col("top")])
             else:
                 out[a.col("top")] = f"CASE WHEN s.{RC} THEN s.{a.col('rcv')} ELSE {_merged_top(a, 't', 's')} END"
     visible = {}
     for name, expr in zip(plan.columns, plan.outputs):
-        value = _finalize(plan, expr, out)
+        value = _finalize(plan, expr, {**out, **unguarded})
         visible[name] = f"CAST({value} AS {types[name]})" if name in types else value
     return {**visible, **out}
 
