@@ -147,15 +147,17 @@ def _merged_top(a, t: str, s: str) -> str:
                           f"{t}.{a.col('nn')}")
     within = "<=" if a.func == "min" else ">="
     kept = f"filter({ins}, {V} -> size({top}) >= {nn} OR {V} {within} try_element_at({top}, -1))"
-    ordered = f"array_sort(concat({top}, {kept}))"
-    if a.func == "max":
-        ordered = f"reverse({ordered})"
+    # sort_array, not array_sort: the latter is a higher-order function (a
+    # comparator lambda, run interpreted); neither array holds a NULL
+    ordered = f"sort_array(concat({top}, {kept}), {'true' if a.func == 'min' else 'false'})"
     at = f"CAST(array_position({ACC}, {D}) AS INT)"
     remove_one = (
         f"CASE WHEN {at} > 0 THEN concat(slice({ACC}, 1, {at} - 1), slice({ACC}, {at} + 1, size({ACC}))) "
         f"ELSE {ACC} END"
     )
-    merged = f"slice(aggregate({dele}, {ordered}, ({ACC}, {D}) -> {remove_one}), 1, {TOP_K})"
+    removed = f"aggregate({dele}, {ordered}, ({ACC}, {D}) -> {remove_one})"
+    # most changed groups lost no value: skip the removal loop for them
+    merged = f"slice(CASE WHEN {s}.{a.col('rm')} = 0 THEN {ordered} ELSE {removed} END, 1, {TOP_K})"
     return f"CASE WHEN {s}.{a.col('rm')} >= {nn} THEN {ins} ELSE {merged} END"
 
 
