@@ -172,7 +172,7 @@ def _guarded(a, merged: str) -> str:
     the optimistic MERGE can never write a wrong MIN/MAX. ``merged`` is evaluated
     once: aggregate() over a one-element array binds it to a lambda variable (the
     merge's higher-order functions run interpreted and are not shared as common
-    subexpressions; evaluating them twice per row cost ~2 s of a 100 M-row
+    subexpressions; evaluating them twice per row cost 1–3 s of a 100 M-row
     benchmark MERGE, docs/NOTES.md)."""
     nn = f"(t.{a.col('nn')} + s.{a.col('nn')})"
     check = f"CASE WHEN size({M}) = 0 AND {nn} > 0 THEN raise_error('{RAN_OUT}') ELSE {M} END"
