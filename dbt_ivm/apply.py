@@ -19,8 +19,10 @@ import sqlglot
 from sqlglot import exp
 
 from dbt_ivm.catalog import DELTA, MV, Source
-from dbt_ivm.delta import NEW, W, Window, delta, quote, snapshot
-from dbt_ivm.plan import AGGREGATE, BAG, DIALECT, PREFIX, Plan, parse, table_name
+from dbt_ivm import names
+from dbt_ivm.delta import NEW, W, Window, delta, snapshot
+from dbt_ivm.names import DIALECT, canonical, ident
+from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, parse, source_tables, table_name
 
 COUNT = f"{PREFIX}count"
 RID = f"{PREFIX}rid"
@@ -34,30 +36,30 @@ def _sql(e: exp.Expression) -> str:
 def _nullsafe_on(cols: list[str], left: str, right: str) -> str:
     if not cols:
         return "TRUE"
-    return " AND ".join(f"{left}.{quote(c)} <=> {right}.{quote(c)}" for c in cols)
+    return " AND ".join(f"{left}.{ident(c)} <=> {right}.{ident(c)}" for c in cols)
 
 
 # --------------------------------------------------------------------------- bag / distinct
 
 
 def _consolidated(rel: str, cols: list[str]) -> str:
-    names = ", ".join(quote(c) for c in cols)
+    listed = ", ".join(ident(c) for c in cols)
     return (
-        f"SELECT {names}, SUM({W}) AS {COUNT} FROM ({rel}) AS {PREFIX}d "
-        f"GROUP BY {names} HAVING SUM({W}) <> 0"
+        f"SELECT {listed}, SUM({W}) AS {COUNT} FROM ({rel}) AS {PREFIX}d "
+        f"GROUP BY {listed} HAVING SUM({W}) <> 0"
     )
 
 
 def _rid(cols: list[str], alias: str = "") -> str:
     prefix = f"{alias}." if alias else ""
-    return f"xxhash64({', '.join(prefix + quote(c) for c in cols)})"
+    return f"xxhash64({', '.join(prefix + ident(c) for c in cols)})"
 
 
 def _bag_state(plan: Plan, window: Window) -> str:
-    names = ", ".join(quote(c) for c in plan.columns)
+    listed = ", ".join(ident(c) for c in plan.columns)
     rel = _sql(snapshot(plan.input, window, NEW))
     return (
-        f"SELECT {names}, {_rid(plan.columns)} AS {RID}, {COUNT} FROM ("
+        f"SELECT {listed}, {_rid(plan.columns)} AS {RID}, {COUNT} FROM ("
         f"{_consolidated(rel, plan.columns)}) AS {PREFIX}s"
     )
 
@@ -67,10 +69,10 @@ def _bag_merge(plan: Plan, state: str, window: Window) -> Optional[str]:
     if d is None:
         return None
     cols = plan.columns
-    insert_cols = [quote(c) for c in cols] + [RID, COUNT]
-    insert_vals = [f"s.{quote(c)}" for c in cols] + [_rid(cols, "s"), f"s.{COUNT}"]
+    insert_cols = [ident(c) for c in cols] + [RID, COUNT]
+    insert_vals = [f"s.{ident(c)}" for c in cols] + [_rid(cols, "s"), f"s.{COUNT}"]
     return (
-        f"MERGE INTO {quote(state)} AS t USING ({_consolidated(_sql(d), cols)}) AS s "
+        f"MERGE INTO {canonical(state)} AS t USING ({_consolidated(_sql(d), cols)}) AS s "
         f"ON {_nullsafe_on(cols, 't', 's')} "
         f"WHEN MATCHED AND t.{COUNT} + s.{COUNT} <= 0 THEN DELETE "
         f"WHEN MATCHED THEN UPDATE SET {COUNT} = t.{COUNT} + s.{COUNT} "
@@ -117,7 +119,7 @@ def _aggregate_input(plan: Plan, rel: str, unit: bool = False) -> str:
     keys = [f"{PREFIX}k{i}" for i in range(len(plan.keys))]
     cols = [f"COALESCE(SUM({W}), 0) AS {COUNT}"]
     for a in plan.aggregates:
-        x = quote(a.arg)
+        x = ident(a.arg)
         if a.func in ("sum", "avg"):
             cols.append(f"SUM({x} * {W}) AS {a.col('sum')}")
         if a.func in ("sum", "avg", "count", "min", "max"):
@@ -242,7 +244,7 @@ def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, str]) -> str:
 def _aggregate_state(plan: Plan, window: Window, types: dict) -> str:
     rel = _sql(snapshot(plan.input, window, NEW))
     cols = _new_state(plan, None, types)
-    select = ", ".join(f"{v} AS {quote(k)}" for k, v in cols.items())
+    select = ", ".join(f"{v} AS {ident(k)}" for k, v in cols.items())
     return f"SELECT {select} FROM ({_aggregate_input(plan, rel, _unit_weights(plan))}) AS s"
 
 
@@ -252,10 +254,10 @@ def _aggregate_change(plan: Plan, window: Window) -> Optional[str]:
     if d is None:
         return None
     inputs = plan.key_columns + [a.arg for a in plan.aggregates if a.func != "count_star"] or [f"{PREFIX}one"]
-    names = ", ".join(quote(c) for c in inputs)
+    listed = ", ".join(ident(c) for c in inputs)
     consolidated = (
-        f"SELECT {names}, SUM({W}) AS {W} FROM ({_sql(d)}) AS {PREFIX}d0 "
-        f"GROUP BY {names} HAVING SUM({W}) <> 0"
+        f"SELECT {listed}, SUM({W}) AS {W} FROM ({_sql(d)}) AS {PREFIX}d0 "
+        f"GROUP BY {listed} HAVING SUM({W}) <> 0"
     )
     return _aggregate_input(plan, consolidated)
 
@@ -286,9 +288,9 @@ def recompute_groups(plan: Plan, state: str, window: Window, change: Optional[st
         return None
     lost = " OR ".join(f"{m.col('rm')} > 0" for m in _minmax(plan))
     hint = "/*+ BROADCAST(a) */ " if window.broadcast else ""
-    keys = "".join(f"t.{quote(k)}, " for k in plan.key_columns)
+    keys = "".join(f"t.{ident(k)}, " for k in plan.key_columns)
     return (
-        f"SELECT {hint}{keys}TRUE AS {RC} FROM {quote(state)} AS t "
+        f"SELECT {hint}{keys}TRUE AS {RC} FROM {canonical(state)} AS t "
         f"JOIN (SELECT * FROM ({change}) AS {PREFIX}c WHERE {lost}) AS a "
         f"ON {_nullsafe_on(plan.key_columns, 't', 'a')} WHERE {_runs_out(plan, 't', 'a')}"
     )
@@ -306,12 +308,12 @@ def _aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recomp
     if plan.has_minmax and recompute:
         source = _with_recompute(plan, source, recompute, window)
     new_t, new_s = _new_state(plan, "t", types, guard), _new_state(plan, None, types)
-    sets = ", ".join(f"{quote(k)} = {v}" for k, v in new_t.items() if k not in keys)
-    insert_cols = ", ".join(quote(k) for k in new_s)
+    sets = ", ".join(f"{ident(k)} = {v}" for k, v in new_t.items() if k not in keys)
+    insert_cols = ", ".join(ident(k) for k in new_s)
     insert_vals = ", ".join(new_s.values())
     delete = "" if plan.scalar else f"WHEN MATCHED AND t.{COUNT} + s.{COUNT} <= 0 THEN DELETE "
     return (
-        f"MERGE INTO {quote(state)} AS t USING ({source}) AS s "
+        f"MERGE INTO {canonical(state)} AS t USING ({source}) AS s "
         f"ON {_nullsafe_on(keys, 't', 's')} {delete}"
         f"WHEN MATCHED THEN UPDATE SET {sets} "
         f"WHEN NOT MATCHED AND s.{COUNT} > 0 THEN INSERT ({insert_cols}) VALUES ({insert_vals})"
@@ -330,7 +332,7 @@ def _with_recompute(plan: Plan, source: str, groups: str, window: Window) -> str
     keys = plan.key_columns
     rel = _sql(snapshot(plan.input, window, NEW))
     unit = _unit_weights(plan)
-    aggs = ", ".join(f"{_top_k(a, 'r.' + quote(a.arg), 'r.' + W, unit)} AS {a.col('rcv')}" for a in _minmax(plan))
+    aggs = ", ".join(f"{_top_k(a, 'r.' + ident(a.arg), 'r.' + W, unit)} AS {a.col('rcv')}" for a in _minmax(plan))
     key_list = ", ".join(f"r.{k}" for k in keys)
     hint = "/*+ BROADCAST(f) */ " if window.broadcast else ""
     recompute = (
@@ -381,11 +383,11 @@ def append_statement(plan: Plan, state: str, window: Window, types: dict) -> Opt
     select = []
     for name in _new_state(plan, None, types):
         if name in plan.columns:
-            select.append(f"CAST(NULL AS {types.get(name, 'string')}) AS {quote(name)}")
+            select.append(f"CAST(NULL AS {types.get(name, 'string')}) AS {ident(name)}")
         else:
-            select.append(f"s.{quote(name)}")
+            select.append(f"s.{ident(name)}")
     nonzero = " OR ".join(f"COALESCE(s.{c}, 0) <> 0" for c in partials)
-    return f"INSERT INTO {quote(state)} SELECT {', '.join(select)} FROM ({change}) AS s WHERE {nonzero}"
+    return f"INSERT INTO {canonical(state)} SELECT {', '.join(select)} FROM ({change}) AS s WHERE {nonzero}"
 
 
 def folded_state(plan: Plan, state: str, types: dict) -> str:
@@ -396,9 +398,9 @@ def folded_state(plan: Plan, state: str, types: dict) -> str:
     keys = plan.key_columns
     sums = [f"SUM({c}) AS {c}" for c in [COUNT] + _partials(plan)]
     group = f" GROUP BY {', '.join(keys)} HAVING SUM({COUNT}) > 0" if keys else ""
-    folded = f"SELECT {', '.join(keys + sums)} FROM {quote(state)}{group}"
+    folded = f"SELECT {', '.join(keys + sums)} FROM {canonical(state)}{group}"
     cols = _new_state(plan, None, types)
-    select = ", ".join(f"{v} AS {quote(k)}" for k, v in cols.items())
+    select = ", ".join(f"{v} AS {ident(k)}" for k, v in cols.items())
     return f"SELECT {select} FROM ({folded}) AS s"
 
 
@@ -434,25 +436,22 @@ def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompu
 
 def bag_state_of_query(query: str, columns: list[str]) -> str:
     """State of a query maintained only by rebuilds: its rows as a bag."""
-    names = ", ".join(quote(c) for c in columns)
+    listed = ", ".join(ident(c) for c in columns)
     return (
-        f"SELECT {names}, {_rid(columns)} AS {RID}, COUNT(*) AS {COUNT} "
-        f"FROM ({query}) AS {PREFIX}q GROUP BY {names}"
+        f"SELECT {listed}, {_rid(columns)} AS {RID}, COUNT(*) AS {COUNT} "
+        f"FROM ({query}) AS {PREFIX}q GROUP BY {listed}"
     )
 
 
 def view_query(kind: str, columns: list[str], state: str, folded: Optional[str] = None) -> str:
     """The relation dbt exposes: exactly the model's columns over the state
     (``folded``: over that query instead, folded_state of a layered state)."""
-    names = ", ".join(quote(c) for c in columns)
+    listed = ", ".join(ident(c) for c in columns)
     if folded is not None:
-        return f"SELECT {names} FROM ({folded}) AS {PREFIX}f"
+        return f"SELECT {listed} FROM ({folded}) AS {PREFIX}f"
     if kind == BAG:
-        return (
-            f"SELECT {names} FROM {quote(state)} LATERAL VIEW "
-            f"explode(sequence(CAST(1 AS BIGINT), {COUNT})) {PREFIX}e AS {PREFIX}i"
-        )
-    return f"SELECT {names} FROM {quote(state)}"
+        return f"SELECT {listed} FROM {canonical(state)} {_repeat_rows(COUNT)}"
+    return f"SELECT {listed} FROM {canonical(state)}"
 
 
 def pinned_query(sql: str, sources: list[Source], versions: dict) -> str:
@@ -460,32 +459,36 @@ def pinned_query(sql: str, sources: list[Source], versions: dict) -> str:
     table → version): what a full recompute at those versions returns."""
     tree = parse(sql)
     by_name = {s.name: s for s in sources}
-    ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
-    for table in list(tree.find_all(exp.Table)):
-        name = table_name(table)
-        if not table.name or name not in by_name or (not table.db and name in ctes):
+    for table in source_tables(tree):
+        src = by_name.get(table_name(table))
+        if src is None:
             continue
-        src = by_name[name]
         version = versions.get(src.physical)
         if src.kind == MV:
-            cols = ", ".join(quote(c) for c in src.column_names)
-            at = f" VERSION AS OF {int(version)}" if version is not None else ""
-            body = f"SELECT {cols} FROM {quote(src.physical)}{at}"
-            if src.multiplicity:
-                body += (
-                    f" LATERAL VIEW explode(sequence(CAST(1 AS BIGINT), {quote(src.multiplicity)}))"
-                    f" {PREFIX}e AS {PREFIX}i"
-                )
-            alias = table.alias or table.name
-            table.replace(
-                exp.Subquery(
-                    this=sqlglot.parse_one(body, read=DIALECT),
-                    alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True)),
-                )
-            )
+            table.replace(exp.Subquery(
+                this=_mv_rows(src, version),
+                alias=exp.TableAlias(this=exp.to_identifier(table.alias or table.name, quoted=True)),
+            ))
         elif src.kind == DELTA and version is not None:
             table.set(
                 "version",
                 exp.Version(this="VERSION", kind="AS OF", expression=exp.Literal.number(int(version))),
             )
     return _sql(tree)
+
+
+def _mv_rows(src: Source, version: Optional[int]) -> exp.Select:
+    """The rows of an upstream incremental_mv, read from its state table (each
+    state row repeated by its multiplicity, for a bag)."""
+    table = names.table(src.physical)
+    if version is not None:
+        table.set("version", exp.Version(this="VERSION", kind="AS OF", expression=exp.Literal.number(int(version))))
+    body = exp.select(*[exp.column(c, quoted=True) for c in src.column_names]).from_(table)
+    if src.multiplicity:
+        body = sqlglot.parse_one(f"{_sql(body)} {_repeat_rows(src.multiplicity)}", read=DIALECT)
+    return body
+
+
+def _repeat_rows(count: str) -> str:
+    """The LATERAL VIEW that repeats a state row by its multiplicity column."""
+    return f"LATERAL VIEW explode(sequence(CAST(1 AS BIGINT), {ident(count)})) {PREFIX}e AS {PREFIX}i"

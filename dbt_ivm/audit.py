@@ -9,9 +9,11 @@ recompute, so the last bits may differ.
 from __future__ import annotations
 
 from dbt_ivm.apply import pinned_query
-from dbt_ivm.delta import quote
+from dbt_ivm.plan import PREFIX
+from dbt_ivm.names import canonical, ident, string
 
 TOLERANCE = 1e-9
+RN = f"{PREFIX}rn"
 SIDE = "ivm_side"
 MISSING, EXTRA = "missing_from_mv", "extra_in_mv"
 
@@ -24,42 +26,49 @@ def consistency_sql(watermark, relation: str, tolerance: float = TOLERANCE) -> s
     ...                [{"name": "db.t", "kind": "delta", "physical": "db.t",
     ...                  "multiplicity": None, "columns": [["a", "int"]], "version": 3}])
     >>> print(consistency_sql(wm, "db.mv"))  # doctest: +NORMALIZE_WHITESPACE
-    WITH expected AS (SELECT a FROM db.t VERSION AS OF 3), actual AS (SELECT `a` FROM `db`.`mv`)
-    SELECT 'missing_from_mv' AS ivm_side, * FROM (SELECT * FROM expected EXCEPT ALL SELECT * FROM actual)
-    UNION ALL SELECT 'extra_in_mv' AS ivm_side, * FROM (SELECT * FROM actual EXCEPT ALL SELECT * FROM expected)
+    WITH __ivm_expected AS (SELECT a FROM db.t VERSION AS OF 3), __ivm_actual AS (SELECT `a` FROM `db`.`mv`)
+    SELECT 'missing_from_mv' AS ivm_side, * FROM (SELECT * FROM __ivm_expected EXCEPT ALL SELECT * FROM __ivm_actual)
+    UNION ALL SELECT 'extra_in_mv' AS ivm_side, * FROM (SELECT * FROM __ivm_actual EXCEPT ALL SELECT * FROM __ivm_expected)
     """
     expected = pinned_query(watermark.sql, watermark.source_objects(), watermark.versions())
     columns = list(watermark.columns)
-    names = ", ".join(quote(c) for c in columns)
-    head = f"WITH expected AS ({expected}), actual AS (SELECT {names} FROM {quote(relation)})"
+    listed = ", ".join(ident(c) for c in columns)
+    # CTE names of our own (reserved prefix): the model's SQL may name its CTEs anything
+    exp_, act, pairs_ = f"{PREFIX}expected", f"{PREFIX}actual", f"{PREFIX}pairs"
+    head = f"WITH {exp_} AS ({expected}), {act} AS (SELECT {listed} FROM {canonical(relation)})"
     floats = [c for c, t in watermark.columns.items() if t.lower() in ("float", "double")]
     if not floats:
         return (
-            f"{head}\nSELECT '{MISSING}' AS {SIDE}, * FROM (SELECT * FROM expected EXCEPT ALL SELECT * FROM actual)"
-            f"\nUNION ALL SELECT '{EXTRA}' AS {SIDE}, * FROM (SELECT * FROM actual EXCEPT ALL SELECT * FROM expected)"
+            f"{head}\nSELECT {string(MISSING)} AS {SIDE}, * FROM (SELECT * FROM {exp_} EXCEPT ALL SELECT * FROM {act})"
+            f"\nUNION ALL SELECT {string(EXTRA)} AS {SIDE}, * FROM (SELECT * FROM {act} EXCEPT ALL SELECT * FROM {exp_})"
         )
     exact = [c for c in columns if c not in floats]
-    part = f"PARTITION BY {', '.join(quote(c) for c in exact)} " if exact else ""
-    order = ", ".join(quote(c) for c in floats)
-    numbered = (
-        "{side}_n AS (SELECT *, row_number() OVER ({part}ORDER BY {order}) AS __ivm_rn FROM {side})"
-    )
-    on = " AND ".join([f"e.{quote(c)} <=> a.{quote(c)}" for c in exact] + ["e.__ivm_rn = a.__ivm_rn"])
+    part = f"PARTITION BY {', '.join(ident(c) for c in exact)} " if exact else ""
+    order = ", ".join(ident(c) for c in floats)
+
+    def numbered(side: str) -> str:
+        return f"{side}_n AS (SELECT *, row_number() OVER ({part}ORDER BY {order}) AS {RN} FROM {side})"
+
+    def both(c: str) -> tuple[str, str]:
+        return f"e.{ident(c)}", f"a.{ident(c)}"
+
+    on = " AND ".join([f"{e} <=> {a}" for e, a in map(both, exact)] + [f"e.{RN} = a.{RN}"])
     close = " AND ".join(
-        f"(e.{quote(c)} <=> a.{quote(c)} OR abs(e.{quote(c)} - a.{quote(c)}) <= "
-        f"{tolerance!r} * greatest(abs(e.{quote(c)}), abs(a.{quote(c)})))"
-        for c in floats
+        f"({e} <=> {a} OR abs({e} - {a}) <= {tolerance!r} * greatest(abs({e}), abs({a})))"
+        for e, a in map(both, floats)
     )
     pairs = (
-        f"pairs AS (SELECT e.__ivm_rn AS e_rn, a.__ivm_rn AS a_rn, "
-        + ", ".join(f"e.{quote(c)} AS `e_{c}`, a.{quote(c)} AS `a_{c}`" for c in columns)
-        + f", ({close}) AS same FROM expected_n AS e FULL OUTER JOIN actual_n AS a ON {on})"
+        f"{pairs_} AS (SELECT e.{RN} AS e_rn, a.{RN} AS a_rn, "
+        + ", ".join(f"e.{ident(c)} AS {ident('e_' + c)}, a.{ident(c)} AS {ident('a_' + c)}" for c in columns)
+        + f", ({close}) AS same FROM {exp_}_n AS e FULL OUTER JOIN {act}_n AS a ON {on})"
     )
+
     def side(tag: str, p: str) -> str:
-        cols = ", ".join(f"`{p}_{c}` AS {quote(c)}" for c in columns)
-        return f"SELECT '{tag}' AS {SIDE}, {cols} FROM pairs WHERE {p}_rn IS NOT NULL AND (e_rn IS NULL OR a_rn IS NULL OR NOT same)"
+        cols = ", ".join(f"{ident(p + '_' + c)} AS {ident(c)}" for c in columns)
+        return (f"SELECT {string(tag)} AS {SIDE}, {cols} FROM {pairs_} "
+                f"WHERE {p}_rn IS NOT NULL AND (e_rn IS NULL OR a_rn IS NULL OR NOT same)")
+
     return (
-        f"{head}, {numbered.format(side='expected', part=part, order=order)}, "
-        f"{numbered.format(side='actual', part=part, order=order)}, {pairs}\n"
+        f"{head}, {numbered(exp_)}, {numbered(act)}, {pairs}\n"
         f"{side(MISSING, 'e')}\nUNION ALL {side(EXTRA, 'a')}"
     )

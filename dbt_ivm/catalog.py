@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dbt_ivm import names
+
 # Kinds of source relation.
 DELTA = "delta"  # a Delta table: snapshots by VERSION AS OF, changes by table_changes
 MV = "mv"  # another incremental_mv: read through its Delta state table
@@ -17,7 +19,8 @@ LAYERED = "layered"  # an incremental_mv whose state is appended layers: read th
 
 @dataclass(frozen=True)
 class Source:
-    """One relation the model reads, as named in the compiled SQL (``db.name``)."""
+    """One relation the model reads, as named in the compiled SQL: ``name`` is
+    its canonical name (dbt_ivm.names), catalog and schema included."""
 
     name: str
     columns: tuple[tuple[str, str], ...]  # (column, spark type), in order
@@ -29,6 +32,11 @@ class Source:
     state_table: Optional[str] = None
     multiplicity: Optional[str] = None
 
+    def __post_init__(self):
+        object.__setattr__(self, "name", names.canonical(self.name))
+        if self.state_table:
+            object.__setattr__(self, "state_table", names.canonical(self.state_table))
+
     @property
     def physical(self) -> str:
         """The Delta table whose versions and change feed this source follows."""
@@ -39,17 +47,36 @@ class Source:
         return [c for c, _ in self.columns]
 
 
+# The placeholder for a catalog or schema a shorter table name leaves out: the
+# schema sqlglot qualifies against must nest every table equally deep, and a
+# reference resolves through a placeholder as long as it is unambiguous.
+_UNNAMED = "\x00"
+
+
 @dataclass(frozen=True)
 class Catalog:
     sources: dict[str, Source] = field(default_factory=dict)
 
+    def __post_init__(self):
+        object.__setattr__(self, "sources", {names.canonical(k): v for k, v in self.sources.items()})
+
     def get(self, name: str) -> Source:
-        return self.sources[name.lower()]
+        return self.sources[names.canonical(name)]
+
+    def __contains__(self, name: str) -> bool:
+        return names.canonical(name) in self.sources
 
     def schema(self) -> dict:
-        """The nested ``{db: {table: {column: type}}}`` dict sqlglot qualifies against."""
+        """The nested ``{catalog: {db: {table: {column: type}}}}`` dict sqlglot
+        qualifies against, as deep as the longest name."""
+        paths = {k: names.parts(k) for k in self.sources}
+        depth = max((len(p) for p in paths.values()), default=1)
         out: dict = {}
-        for src in self.sources.values():
-            db, _, table = src.name.rpartition(".")
-            out.setdefault(db, {})[table] = {c: t for c, t in src.columns}
+        for key, src in self.sources.items():
+            # every name quoted: sqlglot reads the keys as SQL identifiers
+            path = [names.ident(p) for p in [_UNNAMED] * (depth - len(paths[key])) + paths[key]]
+            node = out
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = {names.ident(c): t for c, t in src.columns}
         return out

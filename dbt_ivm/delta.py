@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import sqlglot
 from sqlglot import exp
 
 from dbt_ivm.catalog import Source
-from dbt_ivm.plan import DIALECT, Block, Node, Scan, UnionAll
+from dbt_ivm import names
+from dbt_ivm.names import DIALECT, canonical, ident
+from dbt_ivm.plan import Block, Node, Scan, UnionAll
 
 W = "__ivm_w"
 OLD, NEW = "old", "new"
@@ -42,16 +43,15 @@ class Window:
     # snapshot side is scanned once and never shuffled.
     broadcast: bool = False
 
+    def __post_init__(self):  # keyed by canonical names (dbt_ivm.names)
+        object.__setattr__(self, "old", {canonical(k): v for k, v in self.old.items()})
+        object.__setattr__(self, "new", {canonical(k): v for k, v in self.new.items()})
+
     def version(self, source: Source, side: str) -> Optional[int]:
         return (self.old if side == OLD else self.new).get(source.physical)
 
     def changed(self, source: Source) -> bool:
         return self.old.get(source.physical) != self.new.get(source.physical)
-
-
-def quote(name: str) -> str:
-    """Backtick-quote a (possibly dotted) identifier."""
-    return ".".join(f"`{p.replace('`', '``')}`" for p in name.split("."))
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -91,29 +91,35 @@ def changed(node: Node, window: Window) -> bool:
 # --------------------------------------------------------------------------- scan
 
 
-def _weight(source: Source) -> str:
-    return quote(source.multiplicity) if source.multiplicity else "1"
+def _weight(source: Source) -> exp.Expression:
+    return exp.column(source.multiplicity, quoted=True) if source.multiplicity else exp.Literal.number(1)
+
+
+def _columns(source: Source) -> list[exp.Expression]:
+    return [exp.column(c, quoted=True) for c in source.column_names]
 
 
 def _scan_snapshot(source: Source, version: Optional[int]) -> exp.Query:
-    cols = ", ".join(quote(c) for c in source.column_names)
-    at = f" VERSION AS OF {int(version)}" if version is not None else ""
-    return sqlglot.parse_one(
-        f"SELECT {cols}, {_weight(source)} AS {W} FROM {quote(source.physical)}{at}", read=DIALECT
-    )
+    table = names.table(source.physical)
+    if version is not None:
+        table.set("version", exp.Version(this="VERSION", kind="AS OF", expression=exp.Literal.number(int(version))))
+    return exp.select(*_columns(source), exp.alias_(_weight(source), W, quoted=True)).from_(table)
+
+
+def table_changes(table: str, start: int, end: int) -> exp.Table:
+    """``table_changes('<name>', start, end)``: the change feed of versions
+    [start, end]; the name is a string literal holding the canonical name."""
+    args = [exp.Literal.string(canonical(table)), exp.Literal.number(int(start)), exp.Literal.number(int(end))]
+    return exp.Table(this=exp.Anonymous(this="table_changes", expressions=args))
 
 
 def _scan_delta(source: Source, window: Window) -> exp.Query:
     start = int(window.old[source.physical]) + 1
     end = int(window.new[source.physical])
-    cols = ", ".join(quote(c) for c in source.column_names)
-    w = _weight(source)
-    name = source.physical.replace("'", "\\'")
-    return sqlglot.parse_one(
-        f"SELECT {cols}, CASE WHEN _change_type IN ('insert', 'update_postimage') "
-        f"THEN {w} ELSE -{w} END AS {W} FROM table_changes('{name}', {start}, {end})",
-        read=DIALECT,
-    )
+    added = exp.column("_change_type").isin(exp.Literal.string("insert"), exp.Literal.string("update_postimage"))
+    weight = exp.Case(ifs=[exp.If(this=added, true=_weight(source))], default=exp.Neg(this=_weight(source)))
+    return exp.select(*_columns(source), exp.alias_(weight, W, quoted=True)).from_(
+        table_changes(source.physical, start, end))
 
 
 # --------------------------------------------------------------------------- block

@@ -17,20 +17,24 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 import sqlglot
 from sqlglot import exp
-from sqlglot.errors import OptimizeError, ParseError
+from sqlglot.errors import OptimizeError, ParseError, TokenError
 from sqlglot.optimizer.qualify import qualify
+from sqlglot.dialects.dialect import Dialect
+from sqlglot.tokens import TokenType
 
+from dbt_ivm import names
 from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.errors import IvmConfigError, Reason, UnsupportedQuery
-from dbt_ivm.support import check_support
+from dbt_ivm.names import DIALECT
+from dbt_ivm.support import check_structure, check_support
 
-DIALECT = "spark"
 PREFIX = "__ivm_"
-COMPILER_VERSION = "2"  # 2: MIN/MAX keep a bounded top-k per group
+# 2: MIN/MAX keep a bounded top-k per group; 3: canonical quoted table names
+COMPILER_VERSION = "3"
 
 BAG, DISTINCT, AGGREGATE = "bag", "distinct", "aggregate"
 
@@ -123,34 +127,162 @@ class Plan:
 
 # --------------------------------------------------------------------------- parsing
 
+# Deepest nesting of parentheses the compiler accepts. sqlglot parses and
+# renders recursively; Python's recursion limit would otherwise end a deeply
+# nested query in a RecursionError. Real models stay far below this.
+MAX_DEPTH = 60
+
+
+def _depth(sql: str) -> int:
+    """The deepest nesting of parentheses in ``sql``, from its tokens (so
+    parentheses inside strings, comments and quoted names do not count).
+    Raises IvmConfigError for text that does not tokenize."""
+    try:
+        tokens = Dialect.get_or_raise(DIALECT).tokenize(sql)
+    except TokenError as e:
+        raise IvmConfigError(f"incremental_mv could not read the model SQL: {e}") from e
+    depth = deepest = 0
+    for token in tokens:
+        if token.token_type == TokenType.L_PAREN:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token.token_type == TokenType.R_PAREN:
+            depth -= 1
+    return deepest
+
 
 def parse(sql: str) -> exp.Expression:
-    """Parse one Spark SQL statement; a syntax error becomes an IvmConfigError."""
+    """Parse one Spark SQL statement into a tree whose CTE names are unique (see
+    ``_unique_ctes``). Text that does not parse, nests deeper than MAX_DEPTH or
+    holds more or less than one statement raises IvmConfigError."""
+    if not isinstance(sql, str) or not sql.strip():
+        raise IvmConfigError("incremental_mv expects a SELECT statement; the model SQL is empty.")
+    depth = _depth(sql)
+    if depth > MAX_DEPTH:
+        raise IvmConfigError(
+            f"QUERY_TOO_DEEP: the model SQL nests parentheses {depth} levels deep; incremental_mv "
+            f"compiles queries up to {MAX_DEPTH} levels. Flatten the query, e.g. with CTEs or an "
+            "upstream model.")
     try:
         statements = [s for s in sqlglot.parse(sql, read=DIALECT) if s is not None]
-    except ParseError as e:
+    except (ParseError, TokenError) as e:
         raise IvmConfigError(f"incremental_mv could not parse the model SQL: {e}") from e
+    except RecursionError as e:  # long flat chains (thousands of UNION arms) recurse too
+        raise IvmConfigError(
+            "QUERY_TOO_DEEP: the model SQL is too deeply nested for incremental_mv's parser; "
+            "split it into several models.") from e
     if len(statements) != 1:
         raise IvmConfigError(
             f"incremental_mv expects exactly one SELECT statement, found {len(statements)}."
         )
-    return statements[0]
+    tree = statements[0]
+    for table in tree.find_all(exp.Table):
+        if isinstance(table.this, exp.Identifier):
+            try:
+                names.table(table)
+            except ValueError:
+                raise IvmConfigError(
+                    f"incremental_mv cannot read the table name {table.sql(dialect=DIALECT)!r}: "
+                    "a name has one to three non-empty parts (catalog.schema.table).") from None
+    _unwrap_tables(tree)
+    _unique_ctes(tree)
+    return tree
+
+
+def _unwrap_tables(tree: exp.Expression) -> None:
+    """``FROM (db.t) [AS x]`` is ``FROM db.t [AS x]``: one shape for the planner."""
+    for sub in list(tree.find_all(exp.Subquery)):
+        inner = sub.this
+        while isinstance(inner, exp.Subquery) and not inner.alias:
+            inner = inner.this
+        if isinstance(inner, exp.Table) and not (sub.alias and inner.alias):
+            table = inner.copy()
+            if sub.alias:
+                table.set("alias", sub.args["alias"].copy())
+            sub.replace(table)
+
+
+def cte_of(table: exp.Table) -> Optional[exp.CTE]:
+    """The CTE a table reference names, by SQL's scoping: the nearest enclosing
+    WITH defining the name, where a CTE sees only the CTEs before it in its WITH
+    (and itself, under WITH RECURSIVE); None for a real table."""
+    if not isinstance(table, exp.Table) or table.args.get("db") or table.args.get("catalog"):
+        return None
+    if not isinstance(table.this, exp.Identifier):
+        return None
+    name = table.name.lower()
+    child, node = table, table.parent
+    while node is not None:
+        visible: list = []
+        if isinstance(node, exp.With):
+            at = next(i for i, c in enumerate(node.expressions) if c is child)
+            visible = node.expressions[: at + 1 if node.args.get("recursive") else at]
+        elif isinstance(node, exp.Query):
+            with_ = node.args.get("with_")
+            if with_ is not None and child is not with_:
+                visible = with_.expressions
+        for cte in reversed(visible):
+            if cte.alias_or_name.lower() == name:
+                return cte
+        child, node = node, node.parent
+    return None
+
+
+def _unique_ctes(tree: exp.Expression) -> None:
+    """Rename CTEs so that every CTE name in the tree is unique and differs
+    from every table the query reads by a bare name. Spark scopes CTEs like
+    SQL does (an inner WITH shadows an outer one), but sqlglot's Spark writer
+    hoists nested WITHs to the top of a statement, and the compiler looks CTEs
+    up by name: both are right only when names are unique. References keep
+    their old name as an alias, so qualified columns still resolve."""
+    tables = list(tree.find_all(exp.Table))
+    target = {id(t): cte_of(t) for t in tables}
+    taken = {t.name.lower() for t in tables if target[id(t)] is None and t.name}
+    taken |= {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
+    seen: set = set()
+    renamed: dict = {}
+    for n, cte in enumerate(tree.find_all(exp.CTE)):
+        name = cte.alias_or_name.lower()
+        clash = name in seen or any(target[id(t)] is None and t.name.lower() == name for t in tables)
+        seen.add(name)
+        if not clash:
+            continue
+        new = f"{PREFIX}cte{n}_{name}"
+        while new in taken:
+            new += "_"
+        taken.add(new)
+        renamed[id(cte)] = new
+    for cte in tree.find_all(exp.CTE):
+        if id(cte) in renamed:
+            cte.args["alias"].set("this", exp.to_identifier(renamed[id(cte)], quoted=True))
+    for t in tables:
+        cte = target[id(t)]
+        if cte is not None and id(cte) in renamed:
+            if not t.alias:
+                t.set("alias", exp.TableAlias(this=exp.to_identifier(t.name, quoted=True)))
+            t.set("this", exp.to_identifier(renamed[id(cte)], quoted=True))
+
+
+def source_tables(tree: exp.Expression) -> list[exp.Table]:
+    """The table references of a parsed query that read a relation (not a CTE,
+    not a table-valued function)."""
+    return [
+        t for t in tree.find_all(exp.Table)
+        if isinstance(t.this, exp.Identifier) and t.name and cte_of(t) is None
+    ]
 
 
 def referenced_tables(sql: str) -> list[str]:
-    """The ``db.table`` names a query reads, CTE names excluded, without repeats.
+    """The canonical names of the relations a query reads, CTEs excluded,
+    without repeats (see dbt_ivm.names).
 
     >>> referenced_tables("with c as (select * from s.b) select * from s.a join c using (i) join s.a x using (i)")
-    ['s.a', 's.b']
+    ['`s`.`a`', '`s`.`b`']
+    >>> referenced_tables("with t as (select * from t) select * from t")  # the CTE reads the table t
+    ['`t`']
     """
-    tree = parse(sql)
-    ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
     seen: list[str] = []
-    for table in tree.find_all(exp.Table):
-        if not table.name or (not table.db and table.name.lower() in ctes):
-            continue
-        if isinstance(table.this, exp.Func):  # table-valued function
-            continue
+    for table in source_tables(parse(sql)):
         name = table_name(table)
         if name not in seen:
             seen.append(name)
@@ -158,7 +290,8 @@ def referenced_tables(sql: str) -> list[str]:
 
 
 def table_name(table: exp.Table) -> str:
-    return ".".join(p for p in (table.db, table.name) if p).lower()
+    """The canonical name of a table reference: catalog, schema and table."""
+    return names.canonical(table)
 
 
 # --------------------------------------------------------------------------- planning
@@ -168,12 +301,21 @@ def build_plan(sql: str, catalog: Catalog) -> Plan:
     """Compile a model's SQL into a Plan, or raise UnsupportedQuery with reasons.
 
     Invalid input (unparsable SQL, a reserved column name) raises IvmConfigError.
+    Any string ends in a Plan or one of these two errors.
     """
     tree = parse(sql)
     if not isinstance(tree, exp.Query):
         raise IvmConfigError(
             f"incremental_mv models must be a SELECT query, got {tree.key.upper()}."
         )
+    missing = [n for n in dict.fromkeys(table_name(t) for t in source_tables(tree)) if n not in catalog]
+    if missing:
+        raise IvmConfigError(f"incremental_mv has no catalog facts for {', '.join(missing)}: "
+                             "does the relation exist?")
+    columns_read = [c for s in catalog.sources.values() for c in s.column_names]
+    structural = check_structure(tree, columns_read)
+    if structural:  # constructs the planner does not read row by row: a rebuild runs the SQL as written
+        raise UnsupportedQuery(structural)
     try:
         query = qualify(
             tree.copy(),
@@ -183,16 +325,28 @@ def build_plan(sql: str, catalog: Catalog) -> Plan:
             quote_identifiers=True,
         )
     except OptimizeError as e:
-        raise IvmConfigError(f"incremental_mv could not resolve the model's columns: {e}") from e
+        # Spark is the judge of what the query means: a rebuild runs it as
+        # written, and fails with Spark's own error if the SQL is wrong.
+        raise UnsupportedQuery([Reason(
+            "UNRESOLVED_QUERY", f"incremental_mv could not resolve the model's columns: {e}",
+            "the model is refreshed by full rebuilds; if Spark cannot resolve it either, the build "
+            "fails with Spark's error")]) from e
 
     columns = [c.lower() for c in query.named_selects]
     _check_columns(columns)
 
     reasons = check_support(query)
+    sources = [catalog.get(n) for n in referenced_tables(sql)]
+    reserved = [f"{s.name}.{c}" for s in sources for c in s.column_names if c.startswith(PREFIX)]
+    if reserved:
+        reasons.append(Reason(
+            "UNSUPPORTED_RESERVED_COLUMN",
+            f"source column(s) {', '.join(reserved)} use the prefix '{PREFIX}' of incremental_mv's "
+            "hidden bookkeeping columns",
+            "the model is refreshed by full rebuilds; rename the source column to maintain it"))
     if reasons:
         raise UnsupportedQuery(reasons)
 
-    sources = [catalog.get(n) for n in referenced_tables(sql)]
     plan = _normalize_root(query, columns, catalog)
     plan.sources = sources
     plan.signature = signature(sql, sources)
@@ -216,7 +370,8 @@ def _check_columns(columns: list[str]) -> None:
 
 
 def _normalize_root(query: exp.Query, columns: list[str], catalog: Catalog) -> Plan:
-    ctes = {c.alias_or_name: c.this for c in query.find_all(exp.CTE)}
+    # parse() made CTE names unique, so a bare table name that is a CTE name is that CTE
+    ctes = {c.alias_or_name.lower(): c.this for c in query.find_all(exp.CTE)}
     if isinstance(query, exp.Select) and (query.args.get("group") or _has_aggregate(query)):
         return _aggregate_plan(query, columns, catalog, ctes)
     kind = BAG
@@ -224,7 +379,6 @@ def _normalize_root(query: exp.Query, columns: list[str], catalog: Catalog) -> P
     if isinstance(body, exp.Select) and body.args.get("distinct"):
         kind = DISTINCT
         body.set("distinct", None)
-    body.set("with_", None)
     return Plan(kind=kind, query=query, columns=columns, input=_node(body, catalog, ctes), sources=[])
 
 
@@ -278,20 +432,30 @@ def _aggregate_plan(query: exp.Select, columns: list[str], catalog: Catalog, cte
 def _node(query: exp.Expression, catalog: Catalog, ctes: dict) -> Node:
     if isinstance(query, exp.Subquery):
         return _node(query.this, catalog, ctes)
+    if isinstance(query, exp.Table):  # a CTE, or a parenthesised table: FROM (db.t)
+        return _table_node(query, catalog, ctes)
     if isinstance(query, exp.Union):
         return UnionAll(arms=_flatten_union(query, catalog, ctes))
-    assert isinstance(query, exp.Select), query.key
+    if not isinstance(query, exp.Select):  # check_structure refuses every other relation
+        raise TypeError(f"no plan node for {query.key}")
+    # CTEs are resolved into the nodes below; the WITH clause is dead weight
+    # (and sqlglot's Spark writer would hoist it once per delta term).
+    query = query.copy()
+    query.set("with_", None)
     items: list[tuple[str, Node]] = []
     for rel in _relations(query):
         alias = rel.alias_or_name
         if isinstance(rel, exp.Table):
-            if not rel.db and rel.name in ctes:
-                items.append((alias, _node(ctes[rel.name], catalog, ctes)))
-            else:
-                items.append((alias, Scan(catalog.get(table_name(rel)))))
+            items.append((alias, _table_node(rel, catalog, ctes)))
         else:
             items.append((alias, _node(rel.this, catalog, ctes)))
     return Block(select=query, items=items)
+
+
+def _table_node(table: exp.Table, catalog: Catalog, ctes: dict) -> Node:
+    if not table.args.get("db") and not table.args.get("catalog") and table.name.lower() in ctes:
+        return _node(ctes[table.name.lower()], catalog, ctes)
+    return Scan(catalog.get(table_name(table)))
 
 
 def _flatten_union(union: exp.Union, catalog: Catalog, ctes: dict) -> list[Node]:
@@ -313,12 +477,19 @@ def _relations(select: exp.Select) -> list[exp.Expression]:
 
 
 def signature(sql: str, sources: list[Source]) -> str:
-    """Fingerprint of what the state depends on: the SQL, the sources' schemas and
-    kinds, and the compiler version. A change means the state must be rebuilt."""
+    """Fingerprint of what the state depends on: the query (as sqlglot writes
+    it: layout and comments do not count, every character of a literal or a
+    name does), the sources' schemas and kinds, and the compiler version. A
+    change means the state must be rebuilt.
+
+    >>> signature("select 'a  b' as x from t", []) == signature("select 'a b' as x from t", [])
+    False
+    >>> signature("select 'a' as x  from t -- note", []) == signature("select 'a' as x from t", [])
+    True
+    """
     payload = {
         "compiler": COMPILER_VERSION,
-        "sql": " ".join(sql.split()),
+        "sql": parse(sql).sql(dialect=DIALECT, comments=False),
         "sources": [[s.name, s.kind, s.multiplicity, list(map(list, s.columns))] for s in sources],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-

@@ -23,16 +23,15 @@ from typing import Optional, Protocol
 
 from dbt_ivm import apply
 from dbt_ivm.catalog import DELTA, LAYERED, MV, OTHER, Catalog, Source
-from dbt_ivm.delta import Window, quote
+from sqlglot import exp
+
+from dbt_ivm.config import APPEND, MERGE, validate_config
+from dbt_ivm.delta import Window, table_changes
+from dbt_ivm.names import DIALECT, canonical, ident, namespace, parts, set_value, string, suffixed
 from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
 from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, build_plan, referenced_tables, signature
 
 CREATE, NOOP, INCREMENTAL, PARTITION, FULL = "CREATE", "NOOP", "INCREMENTAL", "PARTITION", "FULL"
-POLICIES = ("auto", "incremental", "partition", "full")
-CHANGE_FEED = ("auto", "true", "false")
-DELETION_VECTORS = ("auto", "true", "false")
-MERGE, APPEND = "merge", "append"
-LAYOUTS = ("auto", MERGE, APPEND)
 # ivm_state_layout='auto' keeps an eligible aggregate's state as appended layers
 # once a commit of the state wrote this much (see Refresher._settle_layout).
 APPEND_AUTO_BYTES = 2 << 20
@@ -103,7 +102,7 @@ class Watermark:
     layers: tuple = (0, 0, None)  # ... and append_layers of its recent commits
 
     def versions(self) -> dict:
-        return {s["physical"]: s["version"] for s in self.sources if s["version"] is not None}
+        return {canonical(s["physical"]): s["version"] for s in self.sources if s["version"] is not None}
 
     def source_objects(self) -> list[Source]:
         return [
@@ -117,7 +116,10 @@ class Watermark:
 
     def to_json(self) -> str:
         body = {k: v for k, v in asdict(self).items() if k not in _READ_BACK}
-        return json.dumps({"dbt_ivm": WATERMARK_FORMAT, **body}, separators=(",", ":"))
+        text = json.dumps({"dbt_ivm": WATERMARK_FORMAT, **body}, separators=(",", ":"))
+        # No backtick in the text (JSON may escape any character): over a SQL
+        # connection it is set as a back-quoted SET value (names.set_value).
+        return text.replace("`", "\\u0060")
 
     @classmethod
     def from_json(cls, text: Optional[str]) -> Optional["Watermark"]:
@@ -159,50 +161,6 @@ class Result:
             if self.reason.hint:
                 parts.append(f"(hint: {self.reason.hint})")
         return " ".join(parts)
-
-
-def validate_config(config: dict) -> dict:
-    """Normalise and check the model config; raise IvmConfigError naming valid values."""
-    policy = str(config.get("ivm_policy") or "auto").lower()
-    if policy not in POLICIES:
-        raise IvmConfigError(
-            f"Invalid ivm_policy provided: {config.get('ivm_policy')!r}. "
-            f"Expected one of: {', '.join(POLICIES)}."
-        )
-    threshold = config.get("ivm_full_threshold")
-    try:
-        threshold = 0.5 if threshold is None else float(threshold)
-    except (TypeError, ValueError):
-        threshold = -1.0
-    if not 0 < threshold <= 1:
-        raise IvmConfigError(
-            f"Invalid ivm_full_threshold provided: {config.get('ivm_full_threshold')!r}. "
-            "Expected a number in (0, 1]: the fraction of a source's rows that may change "
-            "before ivm_policy='auto' rebuilds instead of refreshing incrementally."
-        )
-    feed = _choice(config, "ivm_change_feed", CHANGE_FEED,
-                   "auto (on when an incremental_mv of this project reads this model), true, false")
-    dvs = _choice(config, "ivm_deletion_vectors", DELETION_VECTORS,
-                  f"auto (on once the state table is {DV_AUTO_BYTES >> 20} MiB), true, false")
-    layout = _choice(config, "ivm_state_layout", LAYOUTS,
-                     "auto (append for a big aggregate state without MIN/MAX that no incremental_mv reads, "
-                     "else merge), merge, append")
-    return {
-        "ivm_policy": policy, "ivm_full_threshold": threshold, "ivm_change_feed": feed,
-        "ivm_deletion_vectors": dvs, "ivm_state_layout": layout,
-        # set by the materialization from the dbt graph, not by users
-        "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
-    }
-
-
-def _choice(config: dict, key: str, values: tuple, expected: str) -> str:
-    """A config value from ``values`` (unset: 'auto'), lower-cased; else an
-    IvmConfigError naming the value given and the ``expected`` ones."""
-    value = config.get(key)
-    value = "auto" if value is None else str(value).lower()
-    if value not in values:
-        raise IvmConfigError(f"Invalid {key} provided: {config.get(key)!r}. Expected one of: {expected}.")
-    return value
 
 
 def has_mv_readers(nodes: dict, unique_id: str) -> bool:
@@ -248,7 +206,13 @@ def too_large(sizes: dict, threshold: float) -> Optional[Reason]:
 
 
 def state_name(relation: str) -> str:
-    return relation + STATE_SUFFIX
+    """The canonical name of a model's state table, beside its relation."""
+    return suffixed(relation, STATE_SUFFIX)
+
+
+def _properties(props: dict) -> str:
+    """A TBLPROPERTIES list: keys and values as string literals."""
+    return ", ".join(f"{string(k)} = {string(v)}" for k, v in props.items())
 
 
 # --------------------------------------------------------------------------- decision
@@ -323,7 +287,7 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -
     """Columns, format, change-feed flag and current version of one relation;
     ``histories`` (physical table -> newest DESCRIBE HISTORY rows) is filled in."""
     histories = {} if histories is None else histories
-    rows = ex.query(f"DESCRIBE TABLE EXTENDED {quote(name)}")
+    rows = ex.query(f"DESCRIBE TABLE EXTENDED {canonical(name)}")
     columns: list[tuple[str, str]] = []
     info: dict[str, str] = {}
     in_columns = True
@@ -338,11 +302,14 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -
             info[col.lower()] = dtype
     props = dict((k.strip(), v.strip()) for k, v in _PROPS_RE.findall(info.get("table properties", "")))
     if info.get("type", "").upper() == "VIEW":
+        # read exactly: the state table's name may hold any character
+        props = {str(r[0]): str(r[1]) for r in ex.query(f"SHOW TBLPROPERTIES {canonical(name)}")}
         state = props.get(PROP_STATE)
         if not state:
             return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
         if props.get(PROP_LAYOUT) == APPEND:
             return Source(name=name, columns=tuple(columns), kind=LAYERED, cdf=False)
+        state = canonical(state)
         version, histories[state] = history_head(ex, state, HISTORY_DEPTH)
         mult = apply.COUNT if props.get(PROP_KIND) == BAG else None
         # the upstream's newest watermark says whether its state keeps a change feed
@@ -449,7 +416,7 @@ def window_estimate(history: list[tuple], old: int, new: int) -> tuple[Optional[
 
 
 def history_head(ex: Executor, table: str, depth: int = 1) -> tuple[Optional[int], list[tuple]]:
-    rows = ex.query(f"DESCRIBE HISTORY {quote(table)} LIMIT {depth}")
+    rows = ex.query(f"DESCRIBE HISTORY {canonical(table)} LIMIT {depth}")
     return (int(rows[0][0]) if rows else None), rows
 
 
@@ -458,7 +425,7 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
     # The newest commits first; the whole history only if someone else (OPTIMIZE,
     # a manual fix) committed many times since our last refresh.
     for limit in (" LIMIT 20", ""):
-        rows = ex.query(f"DESCRIBE HISTORY {quote(state)}{limit}")
+        rows = ex.query(f"DESCRIBE HISTORY {canonical(state)}{limit}")
         if not rows:
             return None, None
         # DESCRIBE HISTORY columns: version, timestamp, userId, userName, operation,
@@ -586,15 +553,19 @@ def written_bytes(history: list[tuple]) -> int:
     return most
 
 
-def relations_present(ex: Executor, names: list[str]) -> set[str]:
-    """Which of ``names`` (schema.table, one schema) exist: one SHOW TABLES."""
-    db = names[0].rpartition(".")[0]
-    if not db:
+def relations_present(ex: Executor, tables: list[str]) -> set[str]:
+    """Which of ``tables`` (canonical names in one schema) exist: one SHOW
+    TABLES, filtered by a LIKE pattern when every name is plain (the pattern
+    treats ``*`` and ``|`` as wildcards)."""
+    ns = namespace(tables[0])
+    if not ns:
         return set()
-    tables = {n.rpartition(".")[2].lower() for n in names}
-    rows = ex.query(f"SHOW TABLES IN {quote(db)} LIKE '{'|'.join(sorted(tables))}'")
+    last = {t: parts(t)[-1] for t in tables}
+    pattern = "|".join(sorted(set(last.values())))
+    plain = all(n.replace("_", "").isalnum() and n.isascii() for n in last.values())
+    rows = ex.query(f"SHOW TABLES IN {ns}" + (f" LIKE {string(pattern)}" if plain else ""))
     found = {(r[1] or "").lower() for r in rows}
-    return {n for n in names if n.rpartition(".")[2].lower() in found}
+    return {t for t in tables if last[t] in found}
 
 
 # Errors meaning the change feed or an old snapshot of the window is gone.
@@ -626,7 +597,7 @@ class Refresher:
     def __init__(self, ex: Executor, sql: str, relation: str, config: dict, full_refresh: bool):
         self.ex = ex
         self.sql = sql
-        self.relation = relation.lower()
+        self.relation = canonical(relation)
         self.state = state_name(self.relation)
         self.config = validate_config(config)
         self.full_refresh = full_refresh
@@ -655,7 +626,7 @@ class Refresher:
         state_exists = self.state in present
         _, watermark = read_watermark(self.ex, self.state) if state_exists else (None, None)
         # Row counts the watermark recorded (see _change_sizes); carried forward.
-        self.source_rows = {s["physical"]: s.get("rows") for s in (watermark.sources if watermark else [])}
+        self.source_rows = {canonical(s["physical"]): s.get("rows") for s in (watermark.sources if watermark else [])}
         decision = decide(
             policy=self.config["ivm_policy"], full_refresh=self.full_refresh,
             state_exists=state_exists, view_exists=self.relation in present,
@@ -755,15 +726,15 @@ class Refresher:
         new_schema = [(r[0].lower(), r[1]) for r in self.ex.query(f"DESCRIBE QUERY {body}")]
         same = state_exists and self._state_schema() == new_schema
         if state_exists and not same:
-            self.ex.query(f"DROP TABLE {quote(self.state)}")
+            self.ex.query(f"DROP TABLE {canonical(self.state)}")
         if same:
             self._set_properties(old)
         with self._commit(wm, old.commit_version if same and old else None):
             if same:
-                self.ex.query(f"INSERT OVERWRITE {quote(self.state)} {body}")
+                self.ex.query(f"INSERT OVERWRITE {canonical(self.state)} {body}")
             else:
-                props = ", ".join(f"'{k}' = '{v}'" for k, v in self._state_properties().items())
-                self.ex.query(f"CREATE TABLE {quote(self.state)} USING delta TBLPROPERTIES ({props}) AS {body}")
+                props = _properties(self._state_properties())
+                self.ex.query(f"CREATE TABLE {canonical(self.state)} USING delta TBLPROPERTIES ({props}) AS {body}")
         self._create_view(plan, kind, columns, types)
 
     def _create_view(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> None:
@@ -771,9 +742,8 @@ class Refresher:
         the append layout); its properties tell readers where the state is."""
         folded = apply.folded_state(plan, self.state, types) if self.layout == APPEND else None
         self.ex.query(
-            f"CREATE OR REPLACE VIEW {quote(self.relation)} "
-            f"TBLPROPERTIES ('{PROP_STATE}' = '{self.state}', '{PROP_KIND}' = '{kind}', "
-            f"'{PROP_LAYOUT}' = '{self.layout}') "
+            f"CREATE OR REPLACE VIEW {canonical(self.relation)} "
+            f"TBLPROPERTIES ({_properties({PROP_STATE: self.state, PROP_KIND: kind, PROP_LAYOUT: self.layout})}) "
             f"AS {apply.view_query(kind, columns, self.state, folded)}"
         )
 
@@ -842,12 +812,11 @@ class Refresher:
         }
         wanted = {k: v for k, v in self._state_properties().items() if had.get(k) != v}
         if wanted:
-            props = ", ".join(f"'{k}' = '{v}'" for k, v in wanted.items())
-            self.ex.query(f"ALTER TABLE {quote(self.state)} SET TBLPROPERTIES ({props})")
+            self.ex.query(f"ALTER TABLE {canonical(self.state)} SET TBLPROPERTIES ({_properties(wanted)})")
 
     def _state_schema(self) -> list[tuple[str, str]]:
         out = []
-        for row in self.ex.query(f"DESCRIBE TABLE {quote(self.state)}"):
+        for row in self.ex.query(f"DESCRIBE TABLE {canonical(self.state)}"):
             if not row[0] or row[0].startswith("#"):
                 break
             out.append((row[0].lower(), row[1]))
@@ -877,12 +846,9 @@ class Refresher:
             if derived[s.name] is not None and derived[s.name] < 0:  # metrics we misread: count again
                 derived[s.name] = None
             self.source_rows[s.physical] = derived[s.name]
-            name = s.physical.replace("'", "\\'")
             if estimate is None:
-                counts[s.name] = (
-                    f"(SELECT count(*) FROM table_changes('{name}', {lo + 1}, {hi}) "
-                    "WHERE _change_type != 'update_preimage')"
-                )
+                counts[s.name] = "(" + exp.select("count(*)").from_(table_changes(s.physical, lo + 1, hi)).where(
+                    exp.column("_change_type").neq(exp.Literal.string("update_preimage"))).sql(DIALECT) + ")"
             sizes[s.name] = [estimate, None, s]
         if counts:  # one statement for all of them
             row = self.ex.query("SELECT " + ", ".join(counts.values()))[0]
@@ -895,7 +861,7 @@ class Refresher:
                 del big[n]
         if big:
             row = self.ex.query("SELECT " + ", ".join(
-                f"(SELECT count(*) FROM {quote(v[2].physical)} VERSION AS OF {int(v[2].version)})"
+                f"(SELECT count(*) FROM {canonical(v[2].physical)} VERSION AS OF {int(v[2].version)})"
                 for v in big.values()))[0]
             for n, value in zip(big, row):
                 sizes[n][1] = int(value)
@@ -935,9 +901,9 @@ class Refresher:
 
         def cached(name: str, query: str) -> str:
             view = f"{PREFIX}{name}_{self.run_id}"
-            self.ex.query(f"CACHE TABLE {view} AS {query}")
+            self.ex.query(f"CACHE TABLE {ident(view)} AS {query}")
             views.append(view)
-            return f"SELECT * FROM {view}"
+            return f"SELECT * FROM {ident(view)}"
 
         try:
             change = cached("change", change)
@@ -947,7 +913,7 @@ class Refresher:
             self._apply(plan, sources, watermark, result, window, change, groups if count else None, count)
         finally:
             for view in views:
-                self.ex.query(f"DROP VIEW IF EXISTS {view}")
+                self.ex.query(f"DROP VIEW IF EXISTS {ident(view)}")
 
     def _apply(self, plan: Plan, sources, watermark: Watermark, result: Result, window: Window,
                change: Optional[str], groups: Optional[str], recompute: int) -> None:
@@ -1016,7 +982,7 @@ class Refresher:
         conflicts with nothing. Maintenance only: a failure leaves the refresh as
         it is and is retried next time."""
         try:
-            self.ex.query(f"INSERT OVERWRITE {quote(self.state)} {apply.folded_state(plan, self.state, types)}")
+            self.ex.query(f"INSERT OVERWRITE {canonical(self.state)} {apply.folded_state(plan, self.state, types)}")
             result.rows["compacted"] = 1
         except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
             result.rows["compaction_failed"] = 1
@@ -1026,7 +992,7 @@ class Refresher:
         """The state's recent commit made by this refresh (its DESCRIBE HISTORY
         row), or None: Delta skipped the write, a concurrent refresh having
         committed the same idempotency key first."""
-        for row in self.ex.query(f"DESCRIBE HISTORY {quote(self.state)} LIMIT 5"):
+        for row in self.ex.query(f"DESCRIBE HISTORY {canonical(self.state)} LIMIT 5"):
             wm = Watermark.from_json(row[13] if len(row) > 13 else None)
             if wm is not None and wm.run == self.run_id:
                 return row
@@ -1037,7 +1003,7 @@ class Refresher:
         with no row changes, after the refresh's own). Maintenance only: a failure
         (a concurrent writer) leaves the refresh as it is and is retried next time."""
         try:
-            self.ex.query(f"OPTIMIZE {quote(self.state)}")
+            self.ex.query(f"OPTIMIZE {canonical(self.state)}")
             result.rows["compacted"] = 1
         except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
             result.rows["compaction_failed"] = 1
@@ -1064,7 +1030,7 @@ class Refresher:
             def __enter__(self_):
                 if direct is None or not direct(confs):
                     for k, v in confs.items():
-                        ex.query(f"SET {k}={v}")
+                        ex.query(f"SET {k}={set_value(v)}")
 
             def __exit__(self_, *exc):
                 if direct is None or not direct(confs, reset=True):

@@ -10,28 +10,68 @@ from __future__ import annotations
 
 from sqlglot import exp
 
+from dbt_ivm.determinism import find_nondeterministic
 from dbt_ivm.errors import Reason
 
 _HINT_FULL = "the model is refreshed by full rebuilds"
 
-# Functions whose value changes from one evaluation to the next.
-_NONDETERMINISTIC = (
-    exp.Rand,
-    exp.Randn,
-    exp.Uuid,
-    exp.CurrentDate,
-    exp.CurrentTimestamp,
-    exp.CurrentTime,
-    exp.CurrentUser,
-)
-_NONDETERMINISTIC_NAMES = {
-    "rand", "random", "randn", "uuid", "shuffle", "now", "current_date",
-    "current_timestamp", "localtimestamp", "current_timezone", "unix_timestamp",
-    "monotonically_increasing_id", "spark_partition_id", "input_file_name",
-    "input_file_block_start", "input_file_block_length", "try_reflect", "reflect",
-    "java_method", "current_user", "user", "session_user", "curdate",
-}
 _MAINTAINED_AGGREGATES = (exp.Count, exp.Sum, exp.Avg, exp.Min, exp.Max)
+
+
+def check_structure(tree: exp.Expression, columns=()) -> list[Reason]:
+    """Reasons found on the parsed query before its columns are resolved:
+    relations the planner cannot read row by row (generators, VALUES, table
+    functions, time travel, PIVOT, samples, a SELECT without FROM), recursive
+    CTEs and non-deterministic functions. Such a model is rebuilt from its SQL as
+    written, so nothing here needs sqlglot to understand its columns.
+    ``columns``: the sources' column names (see find_nondeterministic).
+
+    >>> import sqlglot
+    >>> [r.code for r in check_structure(sqlglot.parse_one("select 1 as x", read="spark"))]
+    ['UNSUPPORTED_RELATION']
+    """
+    reasons: list[Reason] = []
+
+    def add(code: str, detail: str, hint: str = _HINT_FULL) -> None:
+        if all(r.code != code for r in reasons):
+            reasons.append(Reason(code, detail, hint))
+
+    for node in tree.walk():
+        if isinstance(node, exp.With) and node.args.get("recursive"):
+            add("UNSUPPORTED_RECURSIVE_CTE", "WITH RECURSIVE is not maintained incrementally")
+        elif isinstance(node, exp.Select) and not node.args.get("from_") and _in_relation(node):
+            add("UNSUPPORTED_RELATION", "a SELECT without FROM reads no table to follow",
+                _HINT_FULL + "; its rows change only when the model's SQL does")
+        elif isinstance(node, (exp.Lateral, exp.Unnest, exp.Explode)):
+            add("UNSUPPORTED_GENERATOR", "LATERAL VIEW / generators (explode ...) are not supported by incremental_mv")
+        elif isinstance(node, exp.Values):
+            add("UNSUPPORTED_RELATION", "VALUES lists as relations are not supported by incremental_mv",
+                "put the rows in a Delta table or a seed")
+        elif isinstance(node, exp.Table) and not isinstance(node.this, exp.Identifier):
+            add("UNSUPPORTED_RELATION", f"table-valued function {node.this.sql('spark')} is not supported by incremental_mv")
+        elif isinstance(node, exp.Table) and node.args.get("version"):
+            add("UNSUPPORTED_RELATION", "time travel (VERSION/TIMESTAMP AS OF) in the model is not supported by incremental_mv")
+        elif isinstance(node, (exp.Pivot,)):
+            add("UNSUPPORTED_RELATION", "PIVOT / UNPIVOT is not supported by incremental_mv")
+        elif isinstance(node, exp.TableSample):
+            add("NON_DETERMINISTIC", "TABLESAMPLE picks different rows on every read",
+                _HINT_FULL + " so that every row is computed at the same moment")
+    for name in find_nondeterministic(tree, columns):
+        add("NON_DETERMINISTIC", f"non-deterministic function {name} cannot be maintained incrementally",
+            _HINT_FULL + " so that every row is computed at the same moment")
+    return reasons
+
+
+def _in_relation(select: exp.Select) -> bool:
+    """A SELECT standing for a relation: the query itself, a CTE, a derived
+    table or a set operation's arm (not a scalar or predicate subquery)."""
+    node = select
+    while isinstance(node.parent, (exp.Subquery, exp.Union, exp.Intersect, exp.Except, exp.CTE, exp.With)):
+        node = node.parent
+        if isinstance(node, exp.CTE):
+            return True
+    parent = node.parent
+    return parent is None or isinstance(parent, (exp.From, exp.Join))
 
 
 def check_support(query: exp.Query) -> list[Reason]:
@@ -48,10 +88,13 @@ def check_support(query: exp.Query) -> list[Reason]:
             reasons.append(Reason(code, detail, hint))
 
     ctes = {c.alias_or_name for c in query.find_all(exp.CTE)}
-    for name in ("order", "limit", "offset"):
-        if query.args.get(name):
-            add("UNSUPPORTED_ORDER_LIMIT", "ORDER BY / LIMIT / OFFSET at the top of an incremental_mv",
-                "remove it: a materialized view is an unordered set of rows")
+    if query.args.get("order"):
+        add("UNSUPPORTED_ORDER_LIMIT", "ORDER BY / LIMIT / OFFSET at the top of an incremental_mv",
+            "remove it: a materialized view is an unordered set of rows")
+    for node in query.walk():
+        if isinstance(node, exp.Query) and (node.args.get("limit") or node.args.get("offset")):
+            add("UNSUPPORTED_ORDER_LIMIT", "LIMIT / OFFSET keeps a subset of rows that no delta rule maintains",
+                _HINT_FULL)
 
     for node in query.walk():
         if isinstance(node, (exp.Intersect, exp.Except)):
@@ -61,17 +104,8 @@ def check_support(query: exp.Query) -> list[Reason]:
                 "use UNION ALL, or SELECT DISTINCT over a UNION ALL")
         elif isinstance(node, exp.Join):
             _check_join(node, add)
-        elif isinstance(node, exp.Window):
+        elif isinstance(node, (exp.Window, exp.Qualify)):
             add("UNSUPPORTED_WINDOW", "window functions (OVER ...) are not supported by incremental_mv")
-        elif isinstance(node, (exp.Lateral, exp.Unnest)) or isinstance(node, exp.Explode):
-            add("UNSUPPORTED_GENERATOR", "LATERAL VIEW / generators (explode ...) are not supported by incremental_mv")
-        elif isinstance(node, exp.Values):
-            add("UNSUPPORTED_RELATION", "VALUES lists as relations are not supported by incremental_mv",
-                "put the rows in a Delta table or a seed")
-        elif isinstance(node, exp.Table) and isinstance(node.this, exp.Func):
-            add("UNSUPPORTED_RELATION", f"table-valued function {node.this.sql('spark')} is not supported by incremental_mv")
-        elif isinstance(node, exp.Table) and node.args.get("version"):
-            add("UNSUPPORTED_RELATION", "time travel (VERSION/TIMESTAMP AS OF) in the model is not supported by incremental_mv")
         elif isinstance(node, (exp.Exists, exp.Any, exp.All)) or (
             isinstance(node, exp.In) and node.args.get("query")
         ):
@@ -80,12 +114,6 @@ def check_support(query: exp.Query) -> list[Reason]:
                 _HINT_FULL + "; rewrite as an inner join over distinct keys to maintain it")
         elif isinstance(node, exp.Subquery) and not _is_relation(node):
             add("UNSUPPORTED_SUBQUERY_PREDICATE", "scalar subqueries are not supported by incremental_mv")
-        elif isinstance(node, _NONDETERMINISTIC) or (
-            isinstance(node, exp.Anonymous) and node.name.lower() in _NONDETERMINISTIC_NAMES
-        ):
-            add("NON_DETERMINISTIC",
-                f"non-deterministic function {node.sql('spark')} cannot be maintained incrementally",
-                _HINT_FULL + " so that every row is computed at the same moment")
         elif isinstance(node, exp.Select):
             _check_select(node, query, ctes, add)
     return reasons

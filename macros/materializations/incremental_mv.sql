@@ -16,7 +16,7 @@
         'ivm_deletion_vectors': config.get('ivm_deletion_vectors', 'auto'),
         'ivm_state_layout': config.get('ivm_state_layout', 'auto'),
         'ivm_mv_dependents': adapter.ivm_has_mv_readers(graph.nodes, model.unique_id),
-      }) -%}
+      }, model.name, (model.config or {}).keys() | list) -%}
   {%- set target_relation = this.incorporate(type='view') -%}
   {%- set existing_relation = load_cached_relation(this) -%}
   {%- set grant_config = config.get('grants') -%}

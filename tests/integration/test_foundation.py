@@ -142,7 +142,7 @@ def test_invalid_policy_is_a_compile_error_and_writes_nothing(project):
     (project.root / "models" / "bad_policy.sql").unlink()
     assert not out.success
     msg = out.results["bad_policy"].message
-    assert "Invalid ivm_policy provided: 'sometimes'" in msg and "auto, incremental, partition, full" in msg
+    assert "Invalid ivm_policy provided for model bad_policy: 'sometimes'" in msg and "auto, incremental, partition, full" in msg
     assert not [r for r in sql("show tables in fnd") if r.tableName.startswith("bad_policy")]
 
 

@@ -53,9 +53,11 @@ def test_duplicate_output_columns_are_a_config_error():
         build_plan("select a.i, b.i from db.a a join db.b b on a.i = b.i", CATALOG)
 
 
-def test_unknown_column_is_a_config_error():
-    with pytest.raises(IvmConfigError, match="resolve"):
+def test_unknown_column_is_left_to_spark_with_a_reason():
+    # Spark is the judge: a rebuild runs the SQL and fails with Spark's own error
+    with pytest.raises(UnsupportedQuery) as info:
         build_plan("select nope from db.a", CATALOG)
+    assert info.value.reason.code == "UNRESOLVED_QUERY" and "nope" in info.value.reason.detail
 
 
 def test_not_a_select_is_a_config_error():

@@ -70,7 +70,7 @@ def test_invalid_policy_names_the_valid_values():
 def test_watermark_round_trips_and_ignores_foreign_metadata():
     w = wm()
     back = Watermark.from_json(w.to_json())
-    assert back.versions() == {"db.a": 5} and back.signature == "sig"
+    assert back.versions() == {"`db`.`a`": 5} and back.signature == "sig"
     assert Watermark.from_json('{"note": "someone else"}') is None
     assert Watermark.from_json("not json") is None
     assert Watermark.from_json(None) is None

@@ -8,7 +8,9 @@ Every default can be overridden by a profile field or ``server_side_parameters``
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -112,8 +114,40 @@ def default_spark_conf(
 _SESSION_LOCK = threading.Lock()
 
 
-def spark_session(conf: dict[str, str]):
-    """The process's Spark session, started with ``conf`` on first use."""
+def spark_log_path() -> str:
+    """Where the embedded JVM's own output goes (Ivy's resolution report,
+    Spark's start-up and task logs): ``logs/spark.log`` beside dbt's log, unless
+    DBT_IVM_SPARK_CONSOLE=1 keeps it on the console."""
+    return os.path.join(_project_dir(), "logs", "spark.log")
+
+
+@contextlib.contextmanager
+def _jvm_output_to(path: Optional[str]):
+    """While the JVM is launched, point this process's stdout and stderr (file
+    descriptors 1 and 2, which the child inherits) at ``path``; restored after,
+    so only the JVM keeps writing there. ``path`` None: leave them alone."""
+    if path is None:
+        yield
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved + [log]:
+            os.close(fd)
+
+
+def spark_session(conf: dict[str, str], log_path: Optional[str] = None):
+    """The process's Spark session, started with ``conf`` on first use; the
+    JVM's output goes to ``log_path`` (None: the console)."""
     from pyspark.sql import SparkSession
 
     with _SESSION_LOCK:
@@ -123,7 +157,10 @@ def spark_session(conf: dict[str, str]):
         builder = SparkSession.builder.enableHiveSupport()
         for key, value in conf.items():
             builder = builder.config(key, value)
-        session = builder.getOrCreate()
+        if log_path is not None:
+            logger.info(f"spark_ivm: starting the embedded Spark session (its log: {log_path})")
+        with _jvm_output_to(log_path):
+            session = builder.getOrCreate()
         session.sparkContext.setLogLevel("ERROR")
         return session
 
@@ -176,7 +213,8 @@ class _IsolatedCursor:
 
 class _IsolatedConnection:
     def __init__(self, conf: dict[str, str]):
-        root = spark_session(conf)
+        console = os.environ.get("DBT_IVM_SPARK_CONSOLE", "").lower() in ("1", "true", "yes")
+        root = spark_session(conf, None if console else spark_log_path())
         self.session = root.newSession()
         for key, value in conf.items():
             if key.startswith("spark.sql.") and not key.startswith(("spark.sql.extensions", "spark.sql.catalog", "spark.sql.warehouse")):

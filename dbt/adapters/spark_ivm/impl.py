@@ -64,6 +64,13 @@ class _Executor:
         return True
 
 
+def _relation_name(relation: Any) -> str:
+    """The canonical name (dbt_ivm.names) of a dbt relation: its schema and identifier."""
+    from dbt_ivm.names import canonical
+
+    return canonical([p for p in (relation.schema, relation.identifier) if p])
+
+
 class SparkIvmAdapter(SparkAdapter):
     ConnectionManager = SparkIvmConnectionManager
 
@@ -85,13 +92,15 @@ class SparkIvmAdapter(SparkAdapter):
         )
 
     @available
-    def ivm_validate_config(self, config: dict) -> dict:
-        """Checked config values, or a compilation error naming the valid ones."""
+    def ivm_validate_config(self, config: dict, model: str = "", given: Optional[list] = None) -> dict:
+        """Checked config values, or a compilation error naming the model, the
+        key, the value and the valid ones. ``given``: every config key the
+        model sets (a misspelt ivm_ key is an error too)."""
+        from dbt_ivm.config import validate_config
         from dbt_ivm.errors import IvmConfigError
-        from dbt_ivm.refresh import validate_config
 
         try:
-            return validate_config(dict(config))
+            return validate_config(dict(config), model or None, list(given or []))
         except IvmConfigError as e:
             raise CompilationError(str(e)) from e
 
@@ -108,7 +117,7 @@ class SparkIvmAdapter(SparkAdapter):
         from dbt_ivm.errors import IvmConfigError, IvmError
         from dbt_ivm.refresh import Refresher
 
-        name = f"{relation.schema}.{relation.identifier}"
+        name = _relation_name(relation)
         if str(config.get("ivm_change_feed")).lower() == "false" and config.get("ivm_mv_dependents"):
             logger.warning(
                 f"incremental_mv {name}: ivm_change_feed is false but an incremental_mv of this project "
@@ -144,8 +153,8 @@ class SparkIvmAdapter(SparkAdapter):
         from dbt_ivm.audit import consistency_sql
         from dbt_ivm.refresh import read_watermark, state_name
 
-        name = f"{relation.schema}.{relation.identifier}"
-        _, wm = read_watermark(_Executor(self), state_name(name.lower()))
+        name = _relation_name(relation)
+        _, wm = read_watermark(_Executor(self), state_name(name))
         if wm is None:
             raise DbtRuntimeError(
                 f"ivm_consistent: {name} has no dbt-ivm watermark; is it an incremental_mv that has been run?"

@@ -1,0 +1,97 @@
+"""The ``ivm_*`` model configs: each checked for type and range before any SQL
+runs. An error names the model, the key, the value given and what is accepted.
+
+>>> validate_config({"ivm_policy": "FULL", "ivm_change_feed": True})["ivm_policy"]
+'full'
+>>> validate_config({"ivm_policy": 0}, model="m")
+Traceback (most recent call last):
+...
+dbt_ivm.errors.IvmConfigError: Invalid ivm_policy provided for model m: 0 (int). Expected one of: auto, incremental, partition, full.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+from dbt_ivm.errors import IvmConfigError
+
+POLICIES = ("auto", "incremental", "partition", "full")
+CHANGE_FEED = ("auto", "true", "false")
+DELETION_VECTORS = ("auto", "true", "false")
+MERGE, APPEND = "merge", "append"
+LAYOUTS = ("auto", MERGE, APPEND)
+DEFAULT_THRESHOLD = 0.5
+
+# ivm_deletion_vectors / ivm_state_layout 'auto' switch at this state size (see refresh.py).
+AUTO_BYTES = 2 << 20
+
+# Set by the materialization from the dbt graph, not by users.
+INTERNAL = ("ivm_mv_dependents",)
+
+
+def _expected() -> dict:
+    return {
+        "ivm_policy": ", ".join(POLICIES),
+        "ivm_full_threshold": "a number in (0, 1]: the fraction of a source's rows that may change "
+                              "before ivm_policy='auto' rebuilds instead of refreshing incrementally",
+        "ivm_change_feed": "auto (on when an incremental_mv of this project reads this model), true, false",
+        "ivm_deletion_vectors": f"auto (on once the state table is {AUTO_BYTES >> 20} MiB), true, false",
+        "ivm_state_layout": "auto (append for a big aggregate state without MIN/MAX that no incremental_mv "
+                            "reads, else merge), merge, append",
+    }
+
+
+KEYS = tuple(_expected())
+
+
+def validate_config(config: dict, model: Optional[str] = None, given: Iterable[str] = ()) -> dict:
+    """Normalise and check a model's ``ivm_*`` configs; raise IvmConfigError
+    naming the model, the key, the value and the accepted values. ``given``:
+    every config key the model sets, so a misspelt ``ivm_`` key is an error
+    instead of a silently ignored setting."""
+    where = f" for model {model}" if model else ""
+    unknown = sorted(k for k in given if str(k).startswith("ivm_") and k not in KEYS + INTERNAL)
+    if unknown:
+        raise IvmConfigError(
+            f"Unknown config{where}: {', '.join(unknown)}. The incremental_mv configs are: {', '.join(KEYS)}.")
+
+    def bad(key: str):
+        value = config.get(key)
+        return IvmConfigError(
+            f"Invalid {key} provided{where}: {value!r} ({type(value).__name__}). "
+            f"Expected {'one of: ' if key != 'ivm_full_threshold' else ''}{_expected()[key]}.")
+
+    def choice(key: str, values: tuple, booleans: bool) -> str:
+        value = config.get(key)
+        if value is None:
+            return "auto"
+        if isinstance(value, bool) and booleans:
+            return "true" if value else "false"
+        if not isinstance(value, str) or value.strip().lower() not in values:
+            raise bad(key)
+        return value.strip().lower()
+
+    return {
+        "ivm_policy": choice("ivm_policy", POLICIES, booleans=False),
+        "ivm_full_threshold": _threshold(config.get("ivm_full_threshold"), bad),
+        "ivm_change_feed": choice("ivm_change_feed", CHANGE_FEED, booleans=True),
+        "ivm_deletion_vectors": choice("ivm_deletion_vectors", DELETION_VECTORS, booleans=True),
+        "ivm_state_layout": choice("ivm_state_layout", LAYOUTS, booleans=False),
+        "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
+    }
+
+
+def _threshold(value, bad) -> float:
+    """A number (or numeric text, as a dbt var gives it) in (0, 1]; not a bool."""
+    if value is None:
+        return DEFAULT_THRESHOLD
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise bad("ivm_full_threshold")
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        raise bad("ivm_full_threshold") from None
+    if math.isnan(number) or not 0 < number <= 1:
+        raise bad("ivm_full_threshold")
+    return number
