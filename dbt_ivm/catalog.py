@@ -73,8 +73,14 @@ class Catalog:
         depth = max((len(p) for p in paths.values()), default=1)
         out: dict = {}
         for key, src in self.sources.items():
+            path = paths[key]
+            if len(path) < depth:
+                # db.t beside cat.db.t is most likely that table: share its branch,
+                # or the shorter reference would be ambiguous to sqlglot
+                longer = next((p for p in paths.values() if len(p) == depth and p[-len(path):] == path), None)
+                path = (longer[: depth - len(path)] if longer else [_UNNAMED] * (depth - len(path))) + path
             # every name quoted: sqlglot reads the keys as SQL identifiers
-            path = [names.ident(p) for p in [_UNNAMED] * (depth - len(paths[key])) + paths[key]]
+            path = [names.ident(p) for p in path]
             node = out
             for part in path[:-1]:
                 node = node.setdefault(part, {})

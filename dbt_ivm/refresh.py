@@ -210,6 +210,10 @@ def state_name(relation: str) -> str:
     return suffixed(relation, STATE_SUFFIX)
 
 
+# Characters Delta allows in a column name only under column mapping.
+_DELTA_RESERVED_CHARS = frozenset(" ,;{}()\n\t=")
+
+
 def _properties(props: dict) -> str:
     """A TBLPROPERTIES list: keys and values as string literals."""
     return ", ".join(f"{string(k)} = {string(v)}" for k, v in props.items())
@@ -634,6 +638,7 @@ class Refresher:
             unsupported=unsupported.reason if unsupported else None,
         )
         self._check_layout(plan)
+        self._check_feed_columns(plan)
         self._allowed(decision)
         sizes = {}
         if decision.strategy == INCREMENTAL:
@@ -729,8 +734,17 @@ class Refresher:
             self.ex.query(f"DROP TABLE {canonical(self.state)}")
         if same:
             self._set_properties(old)
+        # Column names Delta stores only under column mapping; Delta refuses a
+        # CREATE ... AS SELECT with column mapping and a change feed, so such a
+        # state is created empty first (that commit carries no watermark: a
+        # crash after it is a NO_WATERMARK rebuild) and filled by the one write.
+        mapped = not same and any(set(n) & _DELTA_RESERVED_CHARS for n, _ in new_schema)
+        if mapped:
+            cols = ", ".join(f"{ident(n)} {t}" for n, t in new_schema)
+            props = _properties({**self._state_properties(), "delta.columnMapping.mode": "name"})
+            self.ex.query(f"CREATE TABLE {canonical(self.state)} ({cols}) USING delta TBLPROPERTIES ({props})")
         with self._commit(wm, old.commit_version if same and old else None):
-            if same:
+            if same or mapped:
                 self.ex.query(f"INSERT OVERWRITE {canonical(self.state)} {body}")
             else:
                 props = _properties(self._state_properties())
@@ -746,6 +760,20 @@ class Refresher:
             f"TBLPROPERTIES ({_properties({PROP_STATE: self.state, PROP_KIND: kind, PROP_LAYOUT: self.layout})}) "
             f"AS {apply.view_query(kind, columns, self.state, folded)}"
         )
+
+    def _check_feed_columns(self, plan: Optional[Plan]) -> None:
+        """Delta 4.4 fails every UPDATE or MERGE of a table with a change feed
+        whose column name holds a backtick (INVALID_ATTRIBUTE_NAME_SYNTAX on its
+        internal `packedData.<name>`, with or without column mapping; checked by
+        hand). A maintained state with a change feed is written by MERGEs: a
+        config error before anything is written, naming the columns."""
+        if plan is None or not self.change_feed:
+            return
+        ticks = [c for c in plan.columns if "`" in c]
+        if ticks:
+            raise IvmConfigError(
+                f"column(s) {', '.join(ticks)} hold a backtick, and an incremental_mv reads this model through "
+                "its state's change feed: Delta cannot update such a table. Rename the column(s) with an alias.")
 
     def _check_layout(self, plan: Optional[Plan]) -> None:
         """ivm_state_layout='append' where it cannot hold: a config error, before

@@ -89,7 +89,7 @@ def test_forced_setting_and_invalid_value(project):
     out = project.dbt("run", "--select", "base")
     assert not out.success
     msg = out.results["base"].message
-    assert "Invalid ivm_change_feed provided: 'maybe'" in msg and "auto" in msg and "false" in msg, msg
+    assert "Invalid ivm_change_feed provided for model base: 'maybe'" in msg and "auto" in msg and "false" in msg, msg
     assert sql(f"describe history {OUT}.base__ivm_state limit 1")[0].version == before  # wrote nothing
     # forced on without a reader; then auto again switches it off with the next write
     project.write("models/base.sql", "{{ config(materialized='incremental_mv', ivm_change_feed=true) }}\n"
