@@ -17,6 +17,22 @@
         'ivm_state_layout': config.get('ivm_state_layout', 'auto'),
         'ivm_mv_dependents': adapter.ivm_has_mv_readers(graph.nodes, model.unique_id),
       }, model.name, (model.config or {}).keys() | list) -%}
+  {#-- An enforced contract: the query's columns must match the declared names and
+       data types, checked as dbt-spark checks a table (nothing runs otherwise).
+       The relation is a view over the state table: Spark puts no constraint on a
+       view, so declared constraints are warned about, not applied. --#}
+  {%- set contract_config = config.get('contract') -%}
+  {%- if contract_config and contract_config.enforced -%}
+    {%- do get_assert_columns_equivalent(sql) -%}
+    {%- set constraint_types = model.get('constraints', []) | map(attribute='type') | list -%}
+    {%- for column in (model.get('columns') or {}).values() -%}
+      {%- do constraint_types.extend(column.get('constraints', []) | map(attribute='type') | list) -%}
+    {%- endfor -%}
+    {%- if constraint_types -%}
+      {%- do exceptions.warn("incremental_mv " ~ model.name ~ ": constraints (" ~ (constraint_types | unique | join(', '))
+            ~ ") are not applied: the model's relation is a view over its state table, and Spark views take no constraints.") -%}
+    {%- endif -%}
+  {%- endif -%}
   {%- set target_relation = this.incorporate(type='view') -%}
   {%- set existing_relation = load_cached_relation(this) -%}
   {%- set grant_config = config.get('grants') -%}

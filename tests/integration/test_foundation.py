@@ -167,3 +167,34 @@ def test_incremental_policy_fails_instead_of_falling_back(project):
     (project.root / "models" / "strict.sql").unlink()
     assert not out.success
     assert "SOURCE_NOT_DELTA" in out.results["strict"].message
+
+
+def test_enforced_contract_is_checked_before_anything_runs(project):
+    project.write("models/contracted.sql",
+                  "{{ config(materialized='incremental_mv', contract={'enforced': true}) }}\n"
+                  "select cust, count(*) as n from {{ source('src', 'orders') }} group by cust")
+    declared = {"n_type": "string"}
+
+    def schema():
+        project.write("models/contracted.yml", f"""
+            version: 2
+            models:
+              - name: contracted
+                columns:
+                  - {{name: cust, data_type: int, constraints: [{{type: not_null}}]}}
+                  - {{name: n, data_type: {declared['n_type']}}}
+        """)
+
+    schema()
+    bad = project.dbt("run", "--select", "contracted")
+    assert not bad.success
+    msg = bad.results["contracted"].message
+    assert "contract" in msg.lower() and "n" in msg and "string" in msg.lower(), msg
+    assert not [r for r in sql("show tables in fnd") if r.tableName.startswith("contracted")]
+    declared["n_type"] = "bigint"
+    schema()
+    good = project.dbt("run", "--select", "contracted")
+    (project.root / "models" / "contracted.sql").unlink()
+    (project.root / "models" / "contracted.yml").unlink()
+    assert good.success and good.code("contracted") == "CREATE", good.response("contracted")
+    assert check_model("fnd.contracted", good.results["contracted"].node.compiled_code) is None
