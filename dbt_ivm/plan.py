@@ -131,24 +131,31 @@ class Plan:
 # renders recursively; Python's recursion limit would otherwise end a deeply
 # nested query in a RecursionError. Real models stay far below this.
 MAX_DEPTH = 60
+# Most set operations (UNION/INTERSECT/EXCEPT) in one query: a chain of them is
+# a tree as deep as it is long, rendered recursively too.
+MAX_SET_OPERATIONS = 200
+_SET_OPERATIONS = (TokenType.UNION, TokenType.INTERSECT, TokenType.EXCEPT)
 
 
-def _depth(sql: str) -> int:
-    """The deepest nesting of parentheses in ``sql``, from its tokens (so
-    parentheses inside strings, comments and quoted names do not count).
-    Raises IvmConfigError for text that does not tokenize."""
+def _depth(sql: str) -> tuple[int, int]:
+    """The deepest nesting of parentheses in ``sql`` and its count of set
+    operations, from its tokens (so parentheses inside strings, comments and
+    quoted names do not count). Raises IvmConfigError for text that does not
+    tokenize."""
     try:
         tokens = Dialect.get_or_raise(DIALECT).tokenize(sql)
     except TokenError as e:
         raise IvmConfigError(f"incremental_mv could not read the model SQL: {e}") from e
-    depth = deepest = 0
+    depth = deepest = set_ops = 0
     for token in tokens:
         if token.token_type == TokenType.L_PAREN:
             depth += 1
             deepest = max(deepest, depth)
         elif token.token_type == TokenType.R_PAREN:
             depth -= 1
-    return deepest
+        elif token.token_type in _SET_OPERATIONS:
+            set_ops += 1
+    return deepest, set_ops
 
 
 def parse(sql: str) -> exp.Expression:
@@ -157,12 +164,13 @@ def parse(sql: str) -> exp.Expression:
     holds more or less than one statement raises IvmConfigError."""
     if not isinstance(sql, str) or not sql.strip():
         raise IvmConfigError("incremental_mv expects a SELECT statement; the model SQL is empty.")
-    depth = _depth(sql)
-    if depth > MAX_DEPTH:
+    depth, set_ops = _depth(sql)
+    if depth > MAX_DEPTH or set_ops > MAX_SET_OPERATIONS:
         raise IvmConfigError(
-            f"QUERY_TOO_DEEP: the model SQL nests parentheses {depth} levels deep; incremental_mv "
-            f"compiles queries up to {MAX_DEPTH} levels. Flatten the query, e.g. with CTEs or an "
-            "upstream model.")
+            f"QUERY_TOO_DEEP: the model SQL nests parentheses {depth} levels deep and chains {set_ops} "
+            f"set operations; incremental_mv compiles queries up to {MAX_DEPTH} levels and "
+            f"{MAX_SET_OPERATIONS} set operations. Split it into several models (a UNION ALL of "
+            "upstream models), or flatten it with CTEs.")
     try:
         statements = [s for s in sqlglot.parse(sql, read=DIALECT) if s is not None]
     except (ParseError, TokenError) as e:
@@ -215,8 +223,9 @@ def cte_of(table: exp.Table) -> Optional[exp.CTE]:
     while node is not None:
         visible: list = []
         if isinstance(node, exp.With):
-            at = next(i for i, c in enumerate(node.expressions) if c is child)
-            visible = node.expressions[: at + 1 if node.args.get("recursive") else at]
+            at = next((i for i, c in enumerate(node.expressions) if c is child), None)
+            if at is not None:
+                visible = node.expressions[: at + 1 if node.args.get("recursive") else at]
         elif isinstance(node, exp.Query):
             with_ = node.args.get("with_")
             if with_ is not None and child is not with_:

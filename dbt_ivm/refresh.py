@@ -59,7 +59,7 @@ PROP_LAYOUT = "dbt_ivm.layout"
 
 # FULL reasons that are rebuilds by nature, allowed even under ivm_policy='incremental'.
 _REBUILD_REASONS = ("FULL_REFRESH", "NO_WATERMARK", "VIEW_MISSING", "PLAN_SIGNATURE_MISMATCH",
-                    "STATE_LAYOUT_CHANGED")
+                    "STATE_LAYOUT_CHANGED", "STATE_MODIFIED")
 
 
 class Executor(Protocol):
@@ -76,7 +76,7 @@ class Decision:
 
 
 # Watermark fields filled in when it is read back, never stored.
-_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes", "layers"})
+_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes", "layers", "foreign"})
 
 
 @dataclass
@@ -100,6 +100,7 @@ class Watermark:
     recomputed: int = 0  # MIN/MAX groups its refresh recomputed (> 0: the next one probes first)
     layout: str = MERGE  # the state's layout (ivm_state_layout; written before it was recorded: merge)
     layers: tuple = (0, 0, None)  # ... and append_layers of its recent commits
+    foreign: str = ""  # ... and a write of the state made outside dbt-ivm since (foreign_write)
 
     def versions(self) -> dict:
         return {canonical(s["physical"]): s["version"] for s in self.sources if s["version"] is not None}
@@ -242,6 +243,10 @@ def decide(
         return Decision(FULL, Reason("FULL_REFRESH", "--full-refresh was requested"))
     if not view_exists:
         return Decision(FULL, Reason("VIEW_MISSING", "the model's view is missing"))
+    if watermark.foreign:
+        return Decision(FULL, Reason(
+            "STATE_MODIFIED", f"the state table was written outside dbt-ivm at {watermark.foreign}",
+            "the model is rebuilt from its sources; change the sources, not the state table"))
     if watermark.signature != sig:
         return Decision(FULL, Reason(
             "PLAN_SIGNATURE_MISMATCH", "the model SQL or a source schema changed since the last build"))
@@ -436,9 +441,10 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
         # operationParameters, job, notebook, clusterId, readVersion, isolationLevel,
         # isBlindAppend, operationMetrics, userMetadata, engineInfo
         current = int(rows[0][0])
-        for row in rows:
+        for at, row in enumerate(rows):
             wm = Watermark.from_json(row[13] if len(row) > 13 else None)
             if wm is not None:
+                wm.foreign = foreign_write(rows[:at])
                 wm.state_version, wm.commit_version = current, int(row[0])
                 wm.dv_merges, wm.written_bytes = dv_merges(rows), written_bytes(rows)
                 wm.layers = append_layers(rows)
@@ -446,6 +452,31 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
         if limit and len(rows) < 20:
             break
     return current, None
+
+
+# userMetadata of dbt-ivm's maintenance writes of a state (compaction).
+MAINTENANCE_MARK = '{"dbt_ivm_maintenance":1}'
+
+
+def foreign_write(newer: list[tuple]) -> str:
+    """The first write that changed rows of a state table without being a
+    dbt-ivm refresh or maintenance (DESCRIBE HISTORY rows newer than the
+    newest watermark, newest first), as 'version N (OPERATION)'; '' when none.
+    A hand-made DELETE, UPDATE, INSERT or RESTORE of the state would make every
+    later incremental refresh build on rows the watermark does not describe.
+
+    >>> foreign_write([(5, None, None, None, "OPTIMIZE", {}, None, None, None, 4, None, False, {}, None),
+    ...                (4, None, None, None, "DELETE", {}, None, None, None, 3, None, False, {}, None)])
+    'version 4 (DELETE)'
+    >>> foreign_write([(4, None, None, None, "WRITE", {}, None, None, None, 3, None, False, {}, MAINTENANCE_MARK)])
+    ''
+    """
+    for row in reversed(newer):
+        op = str(row[4] or "").upper()
+        mark = row[13] if len(row) > 13 else None
+        if op not in _NO_ROW_CHANGE_OPS and mark != MAINTENANCE_MARK:
+            return f"version {int(row[0])} ({op})"
+    return ""
 
 
 # Operations that write every row of a table anew (no appended layer survives;
@@ -1010,7 +1041,8 @@ class Refresher:
         conflicts with nothing. Maintenance only: a failure leaves the refresh as
         it is and is retried next time."""
         try:
-            self.ex.query(f"INSERT OVERWRITE {canonical(self.state)} {apply.folded_state(plan, self.state, types)}")
+            with self._maintenance():
+                self.ex.query(f"INSERT OVERWRITE {canonical(self.state)} {apply.folded_state(plan, self.state, types)}")
             result.rows["compacted"] = 1
         except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
             result.rows["compaction_failed"] = 1
@@ -1044,11 +1076,20 @@ class Refresher:
         the table's current version, which other commits — OPTIMIZE, a change-feed
         switch — move): two refreshes from the same watermark carry the same txn
         version, and Delta skips the second."""
-        ex = self.ex
         confs = {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json(), **(extra or {})}
         if version is not None:
             confs["spark.databricks.delta.write.txnAppId"] = f"dbt_ivm:{self.state}"
             confs["spark.databricks.delta.write.txnVersion"] = str(version)
+        return self._session_confs(confs)
+
+    def _maintenance(self):
+        """Session confs around a maintenance write of the state (compaction):
+        its commit is marked as dbt-ivm's own, so it is not taken for a write
+        from outside (STATE_MODIFIED)."""
+        return self._session_confs({"spark.databricks.delta.commitInfo.userMetadata": MAINTENANCE_MARK})
+
+    def _session_confs(self, confs: dict):
+        ex = self.ex
 
         # An executor may set session confs directly (the embedded session);
         # otherwise SET / RESET statements.

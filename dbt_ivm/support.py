@@ -18,6 +18,14 @@ _HINT_FULL = "the model is refreshed by full rebuilds"
 _MAINTAINED_AGGREGATES = (exp.Count, exp.Sum, exp.Avg, exp.Min, exp.Max)
 
 
+def _adder(reasons: list):
+    """``add(code, detail, hint)``: one reason per code, in the order found."""
+    def add(code: str, detail: str, hint: str = _HINT_FULL) -> None:
+        if all(r.code != code for r in reasons):
+            reasons.append(Reason(code, detail, hint))
+    return add
+
+
 def check_structure(tree: exp.Expression, columns=()) -> list[Reason]:
     """Reasons found on the parsed query before its columns are resolved:
     relations the planner cannot read row by row (generators, VALUES, table
@@ -31,10 +39,7 @@ def check_structure(tree: exp.Expression, columns=()) -> list[Reason]:
     ['UNSUPPORTED_RELATION']
     """
     reasons: list[Reason] = []
-
-    def add(code: str, detail: str, hint: str = _HINT_FULL) -> None:
-        if all(r.code != code for r in reasons):
-            reasons.append(Reason(code, detail, hint))
+    add = _adder(reasons)
 
     for node in tree.walk():
         if isinstance(node, exp.With) and node.args.get("recursive"):
@@ -82,10 +87,7 @@ def check_support(query: exp.Query) -> list[Reason]:
     ['UNSUPPORTED_ORDER_LIMIT']
     """
     reasons: list[Reason] = []
-
-    def add(code: str, detail: str, hint: str = _HINT_FULL) -> None:
-        if all(r.code != code for r in reasons):
-            reasons.append(Reason(code, detail, hint))
+    add = _adder(reasons)
 
     ctes = {c.alias_or_name for c in query.find_all(exp.CTE)}
     if query.args.get("order"):

@@ -124,7 +124,7 @@ class DbtProject:
     """A dbt project on disk, run in-process against the shared Spark session."""
 
     def __init__(self, root: Path, name: str = "itest", schema: str = "itest", threads: int = 1,
-                 targets: Optional[dict] = None):
+                 targets: Optional[dict] = None, spark_conf: Optional[dict] = None):
         self.root = Path(root)
         self.name = name
         self.root.mkdir(parents=True, exist_ok=True)
@@ -145,7 +145,7 @@ class DbtProject:
                         "threads": threads,
                         "warehouse_dir": str(WORKSPACE / ".dbt_ivm" / "warehouse"),
                         "metastore_dir": str(WORKSPACE / ".dbt_ivm" / "metastore_db"),
-                        "server_side_parameters": _test_overrides(),
+                        "server_side_parameters": {**_test_overrides(), **(spark_conf or {})},
                     }
                     for t, s in outputs.items()
                 },

@@ -42,10 +42,11 @@ class Gen:
     with COUNT/SUM/AVG/MIN/MAX, DISTINCT, UNION ALL, CTEs), so that a share
     of the queries reaches the emitted statements."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, tables: dict = TABLES):
         self.r = random.Random(seed)
         self.n = 0
         self.simple = False
+        self.tables = tables
 
     def pick(self, seq):
         return self.r.choice(seq)
@@ -62,8 +63,8 @@ class Gen:
     # ------------------------------------------------------------------ relations
 
     def table(self) -> tuple[str, list[str]]:
-        name = self.pick(list(TABLES))
-        return name, [c for c, _ in TABLES[name]]
+        name = self.pick(list(self.tables))
+        return name, [c for c, _ in self.tables[name]]
 
     def relation(self, depth: int, ctes: dict) -> tuple[str, list[str]]:
         """SQL of a FROM item (without alias) and its column names."""
@@ -236,8 +237,13 @@ class Gen:
         return sql.replace("FROM", "FROM FROM", 1)
 
 
-def queries(count: int, seed: int):
-    g = Gen(seed)
+def queries(count: int, seed: int, tables: dict = TABLES, simple_only: bool = False):
+    g = Gen(seed, tables)
+    if simple_only:
+        for _ in range(count):
+            g.simple = True
+            yield g.select(1, {})[0]
+        return
     for _ in range(count):
         yield g.query()
 
