@@ -49,6 +49,17 @@ NONDETERMINISTIC = frozenset({
     "reflect", "java_method", "try_reflect",
 })
 
+# Aggregates Spark also calls non-deterministic because their result depends on
+# the order rows arrive in (which of the tied or first values, the order inside
+# the array). They compute the same thing at every evaluation over the same
+# ordered input; none is maintained incrementally (UNSUPPORTED_AGGREGATE or
+# UNSUPPORTED_WINDOW), and a rebuild may pick another of the valid answers, which
+# the ivm_consistent audit can then report as a difference.
+ORDER_DEPENDENT = frozenset({
+    "any_value", "first", "first_value", "last", "last_value", "collect_list", "array_agg",
+    "collect_set", "listagg", "string_agg", "max_by", "min_by",
+})
+
 # Functions that read the clock only when called without arguments.
 NONDETERMINISTIC_WITHOUT_ARGS = frozenset({"unix_timestamp"})
 
@@ -60,13 +71,9 @@ def spark_name(node: exp.Expression) -> Optional[str]:
         return node.name.lower()
     if not isinstance(node, exp.Func):
         return None
-    shallow = node.copy()
-    for key in list(shallow.args):  # render the head only: the arguments may be large
-        if isinstance(shallow.args[key], (exp.Expression, list)):
-            shallow.args[key] = None
     try:
-        text = shallow.sql(dialect=DIALECT)
-    except Exception:  # noqa: BLE001 - a node that needs its arguments to render: use its class's names
+        text = node.sql(dialect=DIALECT)
+    except Exception:  # noqa: BLE001 - a node sqlglot cannot render alone: use its class's names
         text = ""
     head = text.split("(", 1)[0].strip()
     if not head or not head.replace("_", "").isalnum():
@@ -83,6 +90,16 @@ def nondeterministic_call(node: exp.Expression) -> Optional[str]:
     if name in NONDETERMINISTIC_WITHOUT_ARGS and not any(True for _ in node.iter_expressions()):
         return name
     return None
+
+
+def find_order_dependent(tree: exp.Expression) -> list[str]:
+    """The order-dependent aggregate calls in a query (ORDER_DEPENDENT)."""
+    found: list[str] = []
+    for node in tree.walk():
+        name = spark_name(node) if isinstance(node, exp.Func) else None
+        if name in ORDER_DEPENDENT and name not in found:
+            found.append(name)
+    return found
 
 
 def find_nondeterministic(tree: exp.Expression, columns: Iterable[str] = ()) -> list[str]:

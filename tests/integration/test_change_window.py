@@ -67,7 +67,7 @@ def test_change_size_from_commit_metrics_equals_the_feed(project):
     sql(f"optimize {SRC}.t")
     r = _run(project, "agg_t")
     assert r["code"] == "INCREMENTAL", r
-    assert r["changes"] == {f"{SRC}.t": _feed_count("t", before)}, r
+    assert r["changes"] == {f"`{SRC}`.`t`": _feed_count("t", before)}, r
 
 
 def test_versions_without_row_changes_are_noop(project):
