@@ -13,6 +13,7 @@ state-row constructor (``_new_state``) builds both, so the two cannot drift.
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import sqlglot
@@ -210,8 +211,22 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False) -
     visible = {}
     for name, expr in zip(plan.columns, plan.outputs):
         value = _finalize(plan, expr, {**out, **unguarded})
-        visible[name] = f"CAST({value} AS {types[name]})" if name in types else value
+        visible[name] = _cast(value, types.get(name))
     return {**visible, **out}
+
+
+def _cast(value: str, spark_type: Optional[str]) -> str:
+    """``value`` cast to a column type Spark reported (DESCRIBE QUERY). Only a
+    simple type is written back (``bigint``, ``decimal(38,2)``): Spark reports
+    a struct's field names unquoted (``struct<a b:int>``), which is no type
+    Spark can parse; a complex value keeps its own type (the state column takes
+    it from the same expression), and a NULL takes the column's on insert."""
+    if spark_type and _SIMPLE_TYPE.fullmatch(spark_type.strip()):
+        return f"CAST({value} AS {spark_type.strip()})"
+    return value
+
+
+_SIMPLE_TYPE = re.compile(r"[A-Za-z_]+(\(\s*\d+\s*(,\s*\d+\s*)?\))?")
 
 
 def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, str]) -> str:
@@ -383,7 +398,7 @@ def append_statement(plan: Plan, state: str, window: Window, types: dict) -> Opt
     select = []
     for name in _new_state(plan, None, types):
         if name in plan.columns:
-            select.append(f"CAST(NULL AS {types.get(name, 'string')}) AS {ident(name)}")
+            select.append(f"{_cast('NULL', types.get(name))} AS {ident(name)}")
         else:
             select.append(f"s.{ident(name)}")
     nonzero = " OR ".join(f"COALESCE(s.{c}, 0) <> 0" for c in partials)

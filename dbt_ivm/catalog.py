@@ -31,6 +31,10 @@ class Source:
     # each row's multiplicity (None when every state row stands for one row).
     state_table: Optional[str] = None
     multiplicity: Optional[str] = None
+    # (version, commit timestamp) of its newest commits, as read with its version:
+    # tells a table dropped and recreated (versions start again) from the one
+    # a refresh consumed
+    stamps: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "name", names.canonical(self.name))

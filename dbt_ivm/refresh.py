@@ -12,6 +12,7 @@ commit history.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -101,6 +102,11 @@ class Watermark:
     layout: str = MERGE  # the state's layout (ivm_state_layout; written before it was recorded: merge)
     layers: tuple = (0, 0, None)  # ... and append_layers of its recent commits
     foreign: str = ""  # ... and a write of the state made outside dbt-ivm since (foreign_write)
+
+    def stamps(self) -> dict:
+        """Physical table -> the timestamp of the commit at the version consumed
+        (None: not recorded)."""
+        return {canonical(s["physical"]): s.get("committed") for s in self.sources}
 
     def versions(self) -> dict:
         return {canonical(s["physical"]): s["version"] for s in self.sources if s["version"] is not None}
@@ -250,8 +256,16 @@ def decide(
     if watermark.signature != sig:
         return Decision(FULL, Reason(
             "PLAN_SIGNATURE_MISMATCH", "the model SQL or a source schema changed since the last build"))
-    old = watermark.versions()
-    changed = [s for s in sources if s.kind in (OTHER, LAYERED) or old.get(s.physical) != s.version]
+    old, stamps = watermark.versions(), watermark.stamps()
+
+    def replaced(s: Source) -> bool:
+        """The commit at the version consumed is another one now: the table was
+        dropped and recreated (or replaced) and its versions started again."""
+        now = dict(s.stamps).get(old.get(s.physical))
+        return bool(stamps.get(s.physical)) and now is not None and now != stamps[s.physical]
+
+    changed = [s for s in sources
+               if s.kind in (OTHER, LAYERED) or old.get(s.physical) != s.version or replaced(s)]
     if not changed:
         return Decision(NOOP, Reason("NO_CHANGES", "no source changed since the last refresh"))
     if policy == "full":
@@ -273,7 +287,7 @@ def decide(
                 "CDF_DISABLED", f"source {s.name} has no change data feed",
                 f"set ivm_change_feed: true on the incremental_mv {s.name}" if s.kind == MV else
                 f"ALTER TABLE {s.physical} SET TBLPROPERTIES (delta.enableChangeDataFeed = true)"))
-        if s.physical not in old or s.version is None or s.version < old[s.physical]:
+        if s.physical not in old or s.version is None or s.version < old[s.physical] or replaced(s):
             return Decision(FULL, Reason(
                 "SOURCE_VERSION_REWOUND", f"source {s.name} was recreated or restored since the last refresh"))
     if policy == "partition":
@@ -320,18 +334,41 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -
             return Source(name=name, columns=tuple(columns), kind=LAYERED, cdf=False)
         state = canonical(state)
         version, histories[state] = history_head(ex, state, HISTORY_DEPTH)
+        stamps = commit_stamps(histories[state])
         mult = apply.COUNT if props.get(PROP_KIND) == BAG else None
         # the upstream's newest watermark says whether its state keeps a change feed
         marks = (Watermark.from_json(r[13] if len(r) > 13 else None) for r in histories[state])
         newest = next((w for w in marks if w is not None), None)
         cdf = True if newest is None or newest.change_feed is None else bool(newest.change_feed)
         return Source(name=name, columns=tuple(columns), kind=MV, version=version,
-                      cdf=cdf, state_table=state, multiplicity=mult)
+                      cdf=cdf, state_table=state, multiplicity=mult, stamps=stamps)
     if info.get("provider", "").lower() != "delta":
         return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
     version, histories[name] = history_head(ex, name, HISTORY_DEPTH)
     cdf = props.get("delta.enableChangeDataFeed", "false").lower() == "true"
-    return Source(name=name, columns=tuple(columns), kind=DELTA, version=version, cdf=cdf)
+    return Source(name=name, columns=tuple(columns), kind=DELTA, version=version, cdf=cdf,
+                  stamps=commit_stamps(histories[name]))
+
+
+def commit_stamps(history: list[tuple]) -> tuple:
+    """(version, commit timestamp) of DESCRIBE HISTORY rows, the timestamp in one
+    spelling whether it came as a datetime (a Spark session) or text (Thrift).
+
+    >>> import datetime
+    >>> commit_stamps([(3, datetime.datetime(2026, 1, 2, 3, 4, 5, 600000)), (2, "2026-01-02 03:04:05.6")])
+    ((3, '2026-01-02T03:04:05.600'), (2, '2026-01-02T03:04:05.600'))
+    """
+    out = []
+    for row in history:
+        stamp = row[1]
+        if isinstance(stamp, str):
+            try:
+                stamp = datetime.datetime.fromisoformat(stamp.strip())
+            except ValueError:
+                pass
+        text = stamp.isoformat(timespec="milliseconds") if isinstance(stamp, datetime.datetime) else str(stamp)
+        out.append((int(row[0]), text))
+    return tuple(out)
 
 
 # Delta operations that commit no row changes (their change feed is empty).
@@ -741,6 +778,7 @@ class Refresher:
             sources=[
                 {"name": s.name, "kind": s.kind, "physical": s.physical, "multiplicity": s.multiplicity,
                  "columns": [list(c) for c in s.columns], "version": s.version,
+                 "committed": dict(s.stamps).get(s.version),
                  "rows": self.source_rows.get(s.physical) if self.sized else None}
                 for s in sources
             ],
@@ -766,21 +804,23 @@ class Refresher:
             self.ex.query(f"DROP TABLE {canonical(self.state)}")
         if same:
             self._set_properties(old)
-        # Column names Delta stores only under column mapping; Delta refuses a
-        # CREATE ... AS SELECT with column mapping and a change feed, so such a
-        # state is created empty first (that commit carries no watermark: a
-        # crash after it is a NO_WATERMARK rebuild) and filled by the one write.
+        # Column names Delta stores only under column mapping, and Delta refuses
+        # a CREATE ... AS SELECT with column mapping while a change feed is on:
+        # such a state is created (with the watermark) without the feed, and the
+        # feed is switched on after, where wanted (a metadata-only commit).
         mapped = not same and any(set(n) & _DELTA_RESERVED_CHARS for n, _ in new_schema)
+        props = self._state_properties()
         if mapped:
-            cols = ", ".join(f"{ident(n)} {t}" for n, t in new_schema)
-            props = _properties({**self._state_properties(), "delta.columnMapping.mode": "name"})
-            self.ex.query(f"CREATE TABLE {canonical(self.state)} ({cols}) USING delta TBLPROPERTIES ({props})")
+            props = {**props, "delta.columnMapping.mode": "name", "delta.enableChangeDataFeed": "false"}
         with self._commit(wm, old.commit_version if same and old else None):
-            if same or mapped:
+            if same:
                 self.ex.query(f"INSERT OVERWRITE {canonical(self.state)} {body}")
             else:
-                props = _properties(self._state_properties())
-                self.ex.query(f"CREATE TABLE {canonical(self.state)} USING delta TBLPROPERTIES ({props}) AS {body}")
+                self.ex.query(
+                    f"CREATE TABLE {canonical(self.state)} USING delta TBLPROPERTIES ({_properties(props)}) AS {body}")
+        if mapped and self.change_feed:
+            self.ex.query(f"ALTER TABLE {canonical(self.state)} SET TBLPROPERTIES "
+                          f"({_properties({'delta.enableChangeDataFeed': 'true'})})")
         self._create_view(plan, kind, columns, types)
 
     def _create_view(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> None:

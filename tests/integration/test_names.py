@@ -42,6 +42,11 @@ MODELS = {
     "lateral_alias": ("FULL", """
         select `dot.ted`, e from {{ source('src', 'hostile') }}
         lateral view explode(array(`a--b`, `a--b` + 1)) `t--x` as e where `dot.ted` > 1"""),
+    # a struct key whose field name Spark reports unquoted (struct<a b:int>), in a
+    # column whose name needs column mapping
+    "struct_key": ("INCREMENTAL", """
+        select named_struct('a b', `dot.ted`) as `s;k`, count(*) as n, max(named_struct('x', `a--b`)) as mx
+        from {{ source('src', 'hostile') }} group by named_struct('a b', `dot.ted`)"""),
     # a model on a model whose columns have hostile names
     "on_agg": ("INCREMENTAL", """
         select `n.total`, `s--um` * 2 as `double;s` from {{ ref('agg_names') }} where `c/*nt*/` > 0"""),

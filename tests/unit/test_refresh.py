@@ -439,3 +439,21 @@ def test_a_layered_upstream_rebuilds_with_its_reason():
     up = Source("db.up", (("i", "int"),), kind=LAYERED, cdf=False)
     d = run(sources=[SRC, up])
     assert d.strategy == FULL and d.reason.code == "SOURCE_LAYERED" and "merge" in d.reason.hint
+
+
+def test_a_source_recreated_at_the_same_version_is_rewound():
+    """Dropped and recreated, a source's versions start again: the same version
+    number is another commit, told apart by its timestamp."""
+    from dbt_ivm.catalog import Source
+
+    mark = wm()
+    mark.sources[0]["committed"] = "2026-01-01T00:00:00.000"
+    same = Source("db.a", (("i", "int"),), version=5, stamps=((5, "2026-01-01T00:00:00.000"),))
+    again = Source("db.a", (("i", "int"),), version=5, stamps=((5, "2026-02-02T00:00:00.000"),))
+    later = Source("db.a", (("i", "int"),), version=7,
+                   stamps=((7, "2026-02-02T00:00:09.000"), (5, "2026-02-02T00:00:00.000")))
+    assert run(watermark=mark, sources=[same]).strategy == NOOP
+    for src in (again, later):
+        d = run(watermark=mark, sources=[src])
+        assert (d.strategy, d.reason.code) == (FULL, "SOURCE_VERSION_REWOUND")
+    assert run(sources=[again]).strategy == NOOP  # a watermark that recorded no stamp: versions alone

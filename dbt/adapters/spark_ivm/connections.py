@@ -158,7 +158,7 @@ def spark_session(conf: dict[str, str], log_path: Optional[str] = None):
         for key, value in conf.items():
             builder = builder.config(key, value)
         if log_path is not None:
-            logger.info(f"spark_ivm: starting the embedded Spark session (its log: {log_path})")
+            logger.info(f"starting the embedded Spark session (its log: {log_path})")
         with _jvm_output_to(log_path):
             session = builder.getOrCreate()
         session.sparkContext.setLogLevel("ERROR")
