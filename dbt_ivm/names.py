@@ -109,6 +109,15 @@ def suffixed(ref: TableRef, suffix: str) -> str:
     return canonical(names[:-1] + [names[-1] + suffix])
 
 
+def display(ref: TableRef) -> str:
+    """A table name for people: plain parts bare, others quoted.
+
+    >>> display("`analytics`.`orders`"), display(["db", "t--x"])
+    ('analytics.orders', 'db.`t--x`')
+    """
+    return ".".join(p if p.replace("_", "a").isalnum() and p.isascii() else ident(p) for p in parts(ref))
+
+
 def namespace(ref: TableRef) -> str:
     """The canonical text of the schema (with its catalog) holding ``ref``; ''
     for a bare table name."""

@@ -28,7 +28,7 @@ from sqlglot import exp
 
 from dbt_ivm.config import APPEND, MERGE, validate_config
 from dbt_ivm.delta import Window, table_changes
-from dbt_ivm.names import DIALECT, canonical, ident, namespace, parts, set_value, string, suffixed
+from dbt_ivm.names import DIALECT, canonical, display, ident, namespace, parts, set_value, string, suffixed
 from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
 from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, build_plan, referenced_tables, signature
 
@@ -156,9 +156,9 @@ class Result:
         if self.reason:
             parts.append(f"[{self.reason.code}]")
         if self.sizes:
-            parts.append("changes: " + ", ".join(f"{n} {c} rows" for n, c in self.sizes.items()))
+            parts.append("changes: " + ", ".join(f"{display(n)} {c} rows" for n, c in self.sizes.items()))
         elif self.changed_sources:
-            parts.append(f"changed: {', '.join(self.changed_sources)}")
+            parts.append(f"changed: {', '.join(display(n) for n in self.changed_sources)}")
         if self.rows:
             parts.append(", ".join(f"{k}={v}" for k, v in self.rows.items()))
         parts.append(f"in {self.seconds:.2f}s")

@@ -112,6 +112,7 @@ def default_spark_conf(
 
 
 _SESSION_LOCK = threading.Lock()
+_SESSION = None  # the process's session, once started
 
 
 def spark_log_path() -> str:
@@ -150,8 +151,10 @@ def spark_session(conf: dict[str, str], log_path: Optional[str] = None):
     JVM's output goes to ``log_path`` (None: the console)."""
     from pyspark.sql import SparkSession
 
+    global _SESSION
     with _SESSION_LOCK:
-        active = SparkSession.getActiveSession()
+        # the active session is per thread: each dbt thread would start "again"
+        active = SparkSession.getActiveSession() or _SESSION
         if active is not None:
             return active
         builder = SparkSession.builder.enableHiveSupport()
@@ -162,6 +165,7 @@ def spark_session(conf: dict[str, str], log_path: Optional[str] = None):
         with _jvm_output_to(log_path):
             session = builder.getOrCreate()
         session.sparkContext.setLogLevel("ERROR")
+        _SESSION = session
         return session
 
 

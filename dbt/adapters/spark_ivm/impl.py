@@ -115,6 +115,7 @@ class SparkIvmAdapter(SparkAdapter):
     def ivm_refresh(self, sql: str, relation: Any, config: dict, full_refresh: bool) -> IvmAdapterResponse:
         """Plan and apply one refresh of an incremental_mv; returns what ran and why."""
         from dbt_ivm.errors import IvmConfigError, IvmError
+        from dbt_ivm.names import display
         from dbt_ivm.refresh import Refresher
 
         name = _relation_name(relation)
@@ -129,11 +130,12 @@ class SparkIvmAdapter(SparkAdapter):
             if os.environ.get("DBT_IVM_TIMINGS"):
                 print("\n".join(f"    {t:6.2f}s {q}" for t, q in ex.timings))
         except IvmConfigError as e:
-            raise CompilationError(f"incremental_mv {name}: {e}") from e
+            raise CompilationError(f"incremental_mv {display(name)}: {e}") from e
         except IvmError as e:
-            raise DbtRuntimeError(f"incremental_mv {name}: {e}") from e
+            raise DbtRuntimeError(f"incremental_mv {display(name)}: {e}") from e
+
         message = result.message()
-        logger.info(f"incremental_mv {name}: {message}")
+        logger.info(f"incremental_mv {display(name)}: {message}")
         return IvmAdapterResponse(
             _message=message,
             code=result.strategy,
