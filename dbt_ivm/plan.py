@@ -14,8 +14,10 @@ Everything here is pure: sqlglot trees in, frozen values out; no Spark.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -172,7 +174,8 @@ def parse(sql: str) -> exp.Expression:
             f"{MAX_SET_OPERATIONS} set operations. Split it into several models (a UNION ALL of "
             "upstream models), or flatten it with CTEs.")
     try:
-        statements = [s for s in sqlglot.parse(sql, read=DIALECT) if s is not None]
+        with _quiet_sqlglot():
+            statements = [s for s in sqlglot.parse(sql, read=DIALECT) if s is not None]
     except (ParseError, TokenError) as e:
         raise IvmConfigError(f"incremental_mv could not parse the model SQL: {e}") from e
     except RecursionError as e:  # long flat chains (thousands of UNION arms) recurse too
@@ -195,6 +198,19 @@ def parse(sql: str) -> exp.Expression:
     _unwrap_tables(tree)
     _unique_ctes(tree)
     return tree
+
+
+@contextlib.contextmanager
+def _quiet_sqlglot():
+    """sqlglot logs a warning where it falls back to an opaque Command for text
+    it cannot parse; the compiler reports that itself (a typed error)."""
+    log = logging.getLogger("sqlglot")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _unwrap_tables(tree: exp.Expression) -> None:
