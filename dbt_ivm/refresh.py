@@ -664,6 +664,26 @@ def _failpoint(name: str, relation: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _check_row_types(types: dict) -> None:
+    """A model kept as rows (a bag, DISTINCT, or any query rebuilt in full) is
+    stored one state row per distinct row, found by hashing and comparing its
+    values: Spark can do neither for a MAP (DATATYPE_MISMATCH.HASH_MAP_TYPE,
+    INVALID_ORDERING_TYPE). A config error naming the columns, before anything
+    is written.
+
+    >>> _check_row_types({"a": "int", "m": "map<string,int>"})
+    Traceback (most recent call last):
+    ...
+    dbt_ivm.errors.IvmConfigError: column(s) m are (or hold) a MAP: incremental_mv keeps a model's rows by hashing and comparing them, which Spark cannot do for maps. Convert them in the model, e.g. to_json(m) or map_entries(m).
+    """
+    maps = [c for c, t in types.items() if "map<" in str(t).lower()]
+    if maps:
+        raise IvmConfigError(
+            f"column(s) {', '.join(maps)} are (or hold) a MAP: incremental_mv keeps a model's rows by hashing "
+            "and comparing them, which Spark cannot do for maps. Convert them in the model, e.g. "
+            f"to_json({maps[0]}) or map_entries({maps[0]}).")
+
+
 class Refresher:
     """Runs one refresh of one model through an Executor."""
 
@@ -797,6 +817,8 @@ class Refresher:
             columns = list(types)
             body = apply.bag_state_of_query(pinned, columns)
             kind = BAG
+        if kind != AGGREGATE:
+            _check_row_types(types)
         wm = self._watermark(plan, sources, sig, decision, types)
         new_schema = [(r[0].lower(), r[1]) for r in self.ex.query(f"DESCRIBE QUERY {body}")]
         same = state_exists and self._state_schema() == new_schema

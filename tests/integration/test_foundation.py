@@ -198,3 +198,14 @@ def test_enforced_contract_is_checked_before_anything_runs(project):
     (project.root / "models" / "contracted.yml").unlink()
     assert good.success and good.code("contracted") == "CREATE", good.response("contracted")
     assert check_model("fnd.contracted", good.results["contracted"].node.compiled_code) is None
+
+
+def test_a_map_column_is_an_error_naming_the_fix_and_writes_nothing(project):
+    project.write("models/with_map.sql", "{{ config(materialized='incremental_mv') }}\n"
+                  "select id, map('amount', amount) as m from {{ source('src', 'orders') }}")
+    out = project.dbt("run", "--select", "with_map")
+    (project.root / "models" / "with_map.sql").unlink()
+    assert not out.success
+    msg = out.results["with_map"].message
+    assert "MAP" in msg and "to_json(m)" in msg, msg
+    assert not [r for r in sql("show tables in fnd") if r.tableName.startswith("with_map")]
