@@ -44,7 +44,7 @@ class _Executor:
         _, cursor = self.adapter.connections.add_query(sql, auto_begin=False)
         rows = [tuple(r) for r in cursor.fetchall() or []]
         logger.debug(f"dbt_ivm: {time.time() - start:.2f}s {sql[:120]}")
-        self.timings.append((round(time.time() - start, 2), sql[:60]))
+        self.timings.append((round(time.time() - start, 2), sql if os.environ.get("DBT_IVM_TIMINGS") == "full" else sql[:60]))
         return rows
 
 
