@@ -21,6 +21,7 @@ CHANGE_FEED = ("auto", "true", "false")
 DELETION_VECTORS = ("auto", "true", "false")
 MERGE, APPEND = "merge", "append"
 LAYOUTS = ("auto", MERGE, APPEND)
+COST_RULE = ("auto", "off")
 DEFAULT_THRESHOLD = 0.5
 
 # ivm_deletion_vectors / ivm_state_layout 'auto' switch at this state size (see refresh.py).
@@ -39,6 +40,8 @@ def _expected() -> dict:
         "ivm_deletion_vectors": f"auto (on once the state table is {AUTO_BYTES >> 20} MiB), true, false",
         "ivm_state_layout": "auto (append for a big aggregate state without MIN/MAX that no incremental_mv "
                             "reads, else merge), merge, append",
+        "ivm_cost_rule": "auto (under ivm_policy 'auto', rebuild when the state's history says a rebuild "
+                         "costs less than the incremental refresh would), off",
     }
 
 
@@ -78,8 +81,20 @@ def validate_config(config: dict, model: Optional[str] = None, given: Iterable[s
         "ivm_change_feed": choice("ivm_change_feed", CHANGE_FEED, booleans=True),
         "ivm_deletion_vectors": choice("ivm_deletion_vectors", DELETION_VECTORS, booleans=True),
         "ivm_state_layout": choice("ivm_state_layout", LAYOUTS, booleans=False),
+        "ivm_cost_rule": _cost_rule(config.get("ivm_cost_rule"), bad),
         "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
     }
+
+
+def _cost_rule(value, bad) -> str:
+    """auto or off; YAML's bare ``off`` arrives as False (and ``on`` as True)."""
+    if value is None or value is True:
+        return "auto"
+    if value is False:
+        return "off"
+    if not isinstance(value, str) or value.strip().lower() not in COST_RULE:
+        raise bad("ivm_cost_rule")
+    return value.strip().lower()
 
 
 def _threshold(value, bad) -> float:

@@ -13,6 +13,7 @@ commit history.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -65,7 +66,10 @@ _REBUILD_REASONS = ("FULL_REFRESH", "NO_WATERMARK", "VIEW_MISSING", "PLAN_SIGNAT
 
 class Executor(Protocol):
     """Runs SQL. May also offer ``session_conf(confs, reset=False) -> bool`` to set
-    session confs without SQL (see Refresher._commit)."""
+    session confs without SQL (see Refresher._commit), and
+    ``delta_history(table, limit) -> Optional[list[tuple]]`` to read a Delta
+    table's newest commits without a statement (see describe_history; None:
+    use the statement)."""
 
     def query(self, sql: str) -> list[tuple]: ...
 
@@ -77,7 +81,8 @@ class Decision:
 
 
 # Watermark fields filled in when it is read back, never stored.
-_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes", "layers", "foreign"})
+_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes", "layers", "foreign",
+                        "costs"})
 
 
 @dataclass
@@ -102,6 +107,10 @@ class Watermark:
     layout: str = MERGE  # the state's layout (ivm_state_layout; written before it was recorded: merge)
     layers: tuple = (0, 0, None)  # ... and append_layers of its recent commits
     foreign: str = ""  # ... and a write of the state made outside dbt-ivm since (foreign_write)
+    started: Optional[float] = None  # when its refresh started (epoch seconds): its commit's time minus this is its cost
+    changes: Optional[int] = None  # the changed source rows its (incremental) refresh applied
+    view: str = ""  # digest of the view statement over the state (a rebuild re-creates the view only if it differs)
+    costs: dict = field(default_factory=dict)  # ... and measured_costs of its recent commits
 
     def stamps(self) -> dict:
         """Physical table -> the timestamp of the commit at the version consumed
@@ -461,8 +470,21 @@ def window_estimate(history: list[tuple], old: int, new: int) -> tuple[Optional[
     return changed, net
 
 
+def describe_history(ex: Executor, table: str, limit: Optional[int] = None) -> list[tuple]:
+    """The newest ``limit`` commits of a Delta table (all with None), newest
+    first, as DESCRIBE HISTORY rows. An executor may read them from the Delta
+    log directly (``delta_history``: the embedded session, where the statement's
+    planning and catalog round trips cost ~0.25 s a table, the log read ~20 ms);
+    otherwise the statement."""
+    direct = getattr(ex, "delta_history", None)
+    rows = direct(canonical(table), limit) if direct is not None else None
+    if rows is None:
+        rows = ex.query(f"DESCRIBE HISTORY {canonical(table)}" + (f" LIMIT {int(limit)}" if limit else ""))
+    return rows
+
+
 def history_head(ex: Executor, table: str, depth: int = 1) -> tuple[Optional[int], list[tuple]]:
-    rows = ex.query(f"DESCRIBE HISTORY {canonical(table)} LIMIT {depth}")
+    rows = describe_history(ex, table, depth)
     return (int(rows[0][0]) if rows else None), rows
 
 
@@ -470,8 +492,8 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
     """The state table's current version and the newest watermark in its history."""
     # The newest commits first; the whole history only if someone else (OPTIMIZE,
     # a manual fix) committed many times since our last refresh.
-    for limit in (" LIMIT 20", ""):
-        rows = ex.query(f"DESCRIBE HISTORY {canonical(state)}{limit}")
+    for limit in (20, None):
+        rows = describe_history(ex, state, limit)
         if not rows:
             return None, None
         # DESCRIBE HISTORY columns: version, timestamp, userId, userName, operation,
@@ -485,10 +507,94 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
                 wm.state_version, wm.commit_version = current, int(row[0])
                 wm.dv_merges, wm.written_bytes = dv_merges(rows), written_bytes(rows)
                 wm.layers = append_layers(rows)
+                wm.costs = measured_costs(rows)
                 return current, wm
         if limit and len(rows) < 20:
             break
     return current, None
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _epoch(stamp) -> Optional[float]:
+    """A DESCRIBE HISTORY timestamp (datetime from a session, text through
+    Thrift; both in the session's local time) as epoch seconds."""
+    if isinstance(stamp, str):
+        try:
+            stamp = datetime.datetime.fromisoformat(stamp.strip())
+        except ValueError:
+            return None
+    return stamp.timestamp() if isinstance(stamp, datetime.datetime) else None
+
+
+def measured_costs(history: list[tuple]) -> dict:
+    """What the newest rebuild and the newest incremental refresh among these
+    commits (DESCRIBE HISTORY rows, newest first) cost: the time from the
+    refresh's start (its watermark's ``started``) to its commit. ``full``:
+    seconds; ``incremental``: (seconds, changed rows applied).
+
+    >>> import datetime as d
+    >>> t0 = d.datetime(2026, 1, 1, 12, 0, 0)
+    >>> wm = lambda strategy, changes=None: Watermark("s", "bag", "q", {}, [], strategy=strategy,
+    ...     started=t0.timestamp(), changes=changes).to_json()
+    >>> rows = [(2, t0 + d.timedelta(seconds=4), *[None] * 11, wm("INCREMENTAL", 50)),
+    ...         (1, t0 + d.timedelta(seconds=3), *[None] * 11, wm("FULL"))]
+    >>> measured_costs(rows)
+    {'incremental': (4.0, 50), 'full': 3.0}
+    """
+    out: dict = {}
+    for row in history:
+        wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+        end = _epoch(row[1])
+        if wm is None or wm.started is None or end is None or not 0 <= end - wm.started < 86400:
+            continue
+        seconds = round(end - wm.started, 3)
+        if wm.strategy in (CREATE, FULL) and "full" not in out:
+            out["full"] = seconds
+        elif wm.strategy == INCREMENTAL and "incremental" not in out:
+            out["incremental"] = (seconds, int(wm.changes or 0))
+    return out
+
+
+# An incremental refresh's cost before one was measured: on a 2-core machine a
+# Delta MERGE of a handful of rows with its delta query costs 2–5 s, on a
+# cluster less; a rebuild measured below this is taken as the cheaper path.
+INCREMENTAL_PRIOR_S = 2.0
+
+
+def cheaper_to_rebuild(costs: dict, changes: int) -> Optional[Reason]:
+    """Cost rule of ivm_policy='auto' (ivm_cost_rule='auto'): rebuild when the
+    newest rebuild cost less than this incremental refresh is estimated to.
+    The estimate is the newest incremental refresh's cost, grown with the
+    change (half of it taken as fixed cost), or INCREMENTAL_PRIOR_S when none
+    was measured. Without a measured rebuild, no opinion.
+
+    >>> cheaper_to_rebuild({"full": 1.5}, 10).code
+    'REBUILD_CHEAPER'
+    >>> cheaper_to_rebuild({"full": 30.0, "incremental": (3.0, 1000)}, 1000) is None
+    True
+    >>> cheaper_to_rebuild({"full": 30.0, "incremental": (3.0, 1000)}, 100000).code
+    'REBUILD_CHEAPER'
+    """
+    full = costs.get("full")
+    if full is None:
+        return None
+    if costs.get("incremental"):
+        seconds, before = costs["incremental"]
+        estimate = seconds * max(1.0, 0.5 + 0.5 * changes / max(before, 1))
+        basis = f"the last incremental refresh took {seconds:.1f}s for {before} changed rows"
+    else:
+        estimate, basis = INCREMENTAL_PRIOR_S, "no incremental refresh measured yet"
+    if full >= estimate:
+        return None
+    return Reason(
+        "REBUILD_CHEAPER",
+        f"the last rebuild took {full:.1f}s; applying {changes} changed rows is estimated at "
+        f"{estimate:.1f}s ({basis})",
+        "ivm_cost_rule: off refreshes incrementally whenever the query and the change allow",
+    )
 
 
 # userMetadata of dbt-ivm's maintenance writes of a state (compaction).
@@ -697,6 +803,9 @@ class Refresher:
         self.run_id = uuid.uuid4().hex
         self.sized = False  # _change_sizes ran: self.source_rows holds the new versions' counts
         self.recomputed = 0  # MIN/MAX groups this refresh recomputes (recorded in the watermark)
+        self.started: Optional[float] = None
+        self.view_key = ""  # digest of the model's view statement once this refresh is done (Watermark.view)
+        self.changes: Optional[int] = None  # changed source rows an incremental refresh applies
         # The state's own change feed costs every write ~30 %; it is kept only for
         # readers of it: incremental_mv models built on this one.
         feed = self.config["ivm_change_feed"]
@@ -709,7 +818,7 @@ class Refresher:
         self.layout = MERGE  # settled per refresh (_settle_layout)
 
     def run(self) -> Result:
-        start = time.time()
+        start = self.started = time.time()
         self.histories: dict = {}
         sources = [describe_source(self.ex, n, self.histories) for n in referenced_tables(self.sql)]
         catalog = Catalog({s.name: s for s in sources})
@@ -726,6 +835,8 @@ class Refresher:
             watermark=watermark, sig=sig, sources=sources,
             unsupported=unsupported.reason if unsupported else None,
         )
+        self.view_present = self.relation in present
+        self.view_key = watermark.view if watermark else ""
         self._check_layout(plan)
         self._check_feed_columns(plan)
         self._allowed(decision)
@@ -737,6 +848,7 @@ class Refresher:
                 sizes, decision = {}, Decision(FULL, _cdf_unavailable(e))
                 self._allowed(decision, e)
             costly = too_large(sizes, self.config["ivm_full_threshold"])
+            self.changes = sum(c for c, _ in sizes.values())
             if decision.strategy == FULL:
                 pass
             elif costly and self.config["ivm_policy"] == "auto":
@@ -746,6 +858,10 @@ class Refresher:
                 # upstream MERGE that changed no row): nothing to write. The
                 # watermark stays; the empty range is re-read cheaply next time.
                 decision = Decision(NOOP, Reason("NO_ROW_CHANGES", "sources have new versions but no changed rows"))
+            elif self.config["ivm_policy"] == "auto" and self.config["ivm_cost_rule"] == "auto":
+                cheaper = cheaper_to_rebuild(watermark.costs, self.changes)
+                if cheaper:
+                    decision = Decision(FULL, cheaper)
         self._settle_dvs(watermark, decision.strategy == INCREMENTAL)
         self._settle_layout(plan, watermark, decision.strategy == INCREMENTAL)
         if decision.strategy == INCREMENTAL and watermark.layout == APPEND and self.layout != APPEND:
@@ -804,12 +920,21 @@ class Refresher:
             ],
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
             change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
-            recomputed=self.recomputed, layout=self.layout,
+            recomputed=self.recomputed, layout=self.layout, started=self.started,
+            changes=self.changes if decision.strategy == INCREMENTAL else None, view=self.view_key,
         )
 
     def _rebuild(self, plan, sources, sig, decision, state_exists, old: Optional[Watermark]) -> None:
         pinned = apply.pinned_query(self.sql, sources, {s.physical: s.version for s in sources})
-        types = {r[0].lower(): r[1] for r in self.ex.query(f"DESCRIBE QUERY {pinned}")}
+        # Same signature (model SQL, source schemas, compiler) and no commit on
+        # the state since the watermark's: the query's types and the state's
+        # schema are the ones recorded, and the three DESCRIBE statements are skipped.
+        known = (state_exists and old is not None and old.signature == sig and bool(old.columns)
+                 and old.state_version is not None and old.state_version == old.commit_version)
+        if known:
+            types = dict(old.columns)
+        else:
+            types = {r[0].lower(): r[1] for r in self.ex.query(f"DESCRIBE QUERY {pinned}")}
         if plan is not None:
             body = apply.state_query(plan, Window(new={s.physical: s.version for s in sources}), types)
             kind, columns = plan.kind, plan.columns
@@ -819,9 +944,19 @@ class Refresher:
             kind = BAG
         if kind != AGGREGATE:
             _check_row_types(types)
+        view = self._view_statement(plan, kind, columns, types)
+        # The view is re-created only when its statement changed (or it is gone):
+        # a CREATE OR REPLACE VIEW costs 0.1–0.9 s, a rebuild's whole budget at
+        # small sizes (BENCHMARKS.md).
+        key = _digest(view + json.dumps(types, sort_keys=True))
+        keep_view = self.view_present and self.view_key == key
+        self.view_key = key
         wm = self._watermark(plan, sources, sig, decision, types)
-        new_schema = [(r[0].lower(), r[1]) for r in self.ex.query(f"DESCRIBE QUERY {body}")]
-        same = state_exists and self._state_schema() == new_schema
+        if known:
+            same, new_schema = True, []
+        else:
+            new_schema = [(r[0].lower(), r[1]) for r in self.ex.query(f"DESCRIBE QUERY {body}")]
+            same = state_exists and self._state_schema() == new_schema
         if state_exists and not same:
             self.ex.query(f"DROP TABLE {canonical(self.state)}")
         if same:
@@ -843,17 +978,23 @@ class Refresher:
         if mapped and self.change_feed:
             self.ex.query(f"ALTER TABLE {canonical(self.state)} SET TBLPROPERTIES "
                           f"({_properties({'delta.enableChangeDataFeed': 'true'})})")
-        self._create_view(plan, kind, columns, types)
+        if not (keep_view and same):  # a re-created state table gets a new view too
+            self.ex.query(view)
 
-    def _create_view(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> None:
+    def _view_statement(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> str:
         """The model's relation: a view over the state (folding its layers under
         the append layout); its properties tell readers where the state is."""
         folded = apply.folded_state(plan, self.state, types) if self.layout == APPEND else None
-        self.ex.query(
+        return (
             f"CREATE OR REPLACE VIEW {canonical(self.relation)} "
             f"TBLPROPERTIES ({_properties({PROP_STATE: self.state, PROP_KIND: kind, PROP_LAYOUT: self.layout})}) "
             f"AS {apply.view_query(kind, columns, self.state, folded)}"
         )
+
+    def _create_view(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> None:
+        statement = self._view_statement(plan, kind, columns, types)
+        self.ex.query(statement)
+        self.view_key = _digest(statement + json.dumps(types, sort_keys=True))
 
     def _check_feed_columns(self, plan: Optional[Plan]) -> None:
         """Delta 4.4 fails every UPDATE or MERGE of a table with a change feed
@@ -1071,7 +1212,6 @@ class Refresher:
         then, every few layers, compaction (_fold)."""
         types = watermark.columns
         insert = apply.append_statement(plan, self.state, window, types)
-        wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), types)
         if insert is None:
             return
         self._set_properties(watermark)
@@ -1079,6 +1219,7 @@ class Refresher:
             # The folding view first: it reads a state without layers the same
             # as the plain one, so the model is right whatever happens next.
             self._create_view(plan, plan.kind, plan.columns, types)
+        wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), types)
         with self._commit(wm, watermark.commit_version):
             _failpoint("before_commit", self.relation)
             self.ex.query(insert)
@@ -1115,7 +1256,7 @@ class Refresher:
         """The state's recent commit made by this refresh (its DESCRIBE HISTORY
         row), or None: Delta skipped the write, a concurrent refresh having
         committed the same idempotency key first."""
-        for row in self.ex.query(f"DESCRIBE HISTORY {canonical(self.state)} LIMIT 5"):
+        for row in describe_history(self.ex, self.state, 5):
             wm = Watermark.from_json(row[13] if len(row) > 13 else None)
             if wm is not None and wm.run == self.run_id:
                 return row

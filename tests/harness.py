@@ -134,6 +134,12 @@ class DbtProject:
             version: "1.0"
             config-version: 2
             profile: {name}
+            models:
+              {name}:
+                # Tiny sources: a rebuild always measures cheaper than an incremental
+                # refresh, so the cost rule would rebuild every time; the tests of the
+                # incremental paths switch it off (test_cost_rule tests it on).
+                +ivm_cost_rule: "off"
         """)
         outputs = targets or {"dev": schema}
         profile = {

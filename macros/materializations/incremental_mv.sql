@@ -15,6 +15,7 @@
         'ivm_change_feed': config.get('ivm_change_feed', 'auto'),
         'ivm_deletion_vectors': config.get('ivm_deletion_vectors', 'auto'),
         'ivm_state_layout': config.get('ivm_state_layout', 'auto'),
+        'ivm_cost_rule': config.get('ivm_cost_rule', 'auto'),
         'ivm_mv_dependents': adapter.ivm_has_mv_readers(graph.nodes, model.unique_id),
       }, model.name, (model.config or {}).keys() | list) -%}
   {#-- An enforced contract: the query's columns must match the declared names and

@@ -32,7 +32,7 @@ def _project(root: Path, schema: str = "out") -> None:
     (root / "models").mkdir(exist_ok=True)
     (root / "dbt_project.yml").write_text(
         "name: crash\nversion: '1.0'\nconfig-version: 2\nprofile: crash\n"
-        "models:\n  crash:\n    +materialized: incremental_mv\n"
+        "models:\n  crash:\n    +materialized: incremental_mv\n    +ivm_cost_rule: \"off\"\n"
     )
     (root / "profiles.yml").write_text(
         "crash:\n  target: dev\n  outputs:\n"
@@ -171,7 +171,7 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path, layout):
             ex = SessionExecutor(spark().newSession())
             barrier.wait()
             try:
-                config = {"ivm_change_feed": feed, "ivm_state_layout": layout}
+                config = {"ivm_change_feed": feed, "ivm_state_layout": layout, "ivm_cost_rule": "off"}
                 outcomes.append(Refresher(ex, compiled, f"{out}.agg", config, False).run().strategy)
             except Exception as e:  # a clean failure: Delta's conflict check
                 outcomes.append(f"error: {type(e).__name__}")

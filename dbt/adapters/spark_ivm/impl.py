@@ -48,12 +48,30 @@ class _Executor:
         return rows
 
 
+    def _session(self):
+        """The embedded Spark session behind this connection, or None (Thrift, ...)."""
+        handle = getattr(self.adapter.connections.get_thread_connection().handle, "handle", None)
+        return getattr(handle, "session", None)
+
+    def delta_history(self, table: str, limit: Optional[int]) -> Optional[list]:
+        """DESCRIBE HISTORY rows read from the Delta log directly (delta_log.py);
+        None where the statement must run instead."""
+        session = self._session()
+        if session is None:
+            return None
+        from dbt.adapters.spark_ivm.delta_log import history
+
+        start = time.time()
+        rows = history(session, table, limit)
+        if rows is not None:
+            self.timings.append((round(time.time() - start, 2), f"(delta log) history {table} {limit}"))
+        return rows
+
     def session_conf(self, confs: dict, reset: bool = False) -> bool:
         """Set (or reset) session confs directly on the embedded session: no SQL
         round trip per key. False when the connection is not ours (Thrift, ...):
         the caller then uses SET / RESET statements."""
-        handle = getattr(self.adapter.connections.get_thread_connection().handle, "handle", None)
-        session = getattr(handle, "session", None)
+        session = self._session()
         if session is None:
             return False
         for key, value in confs.items():

@@ -1,0 +1,92 @@
+"""A Delta table's newest commits read from its log through the embedded
+session's JVM, shaped like DESCRIBE HISTORY rows.
+
+``DESCRIBE HISTORY t LIMIT n`` costs ~0.25–0.4 s a table on the embedded
+session however small the log (statement planning, catalog lookup, a Spark job
+to read the commit files), and a refresh reads the history of every source and
+of its state. The same rows come from ``DeltaLog.update()`` (the cached
+snapshot: its version, ~20 ms) and the newest commit files' ``commitInfo``
+lines, read with Delta's own LogStore. The timestamp is the one DESCRIBE
+HISTORY shows: the in-commit timestamp where the table has them, else the
+commit file's modification time.
+
+Anything this path does not handle (a catalog other than the session's, a
+table that is not Delta, a missing commit file) returns None and the caller
+runs the statement.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Optional
+
+
+# DESCRIBE HISTORY's columns, in order.
+COLUMNS = ("version", "timestamp", "userId", "userName", "operation", "operationParameters", "job",
+           "notebook", "clusterId", "readVersion", "isolationLevel", "isBlindAppend", "operationMetrics",
+           "userMetadata", "engineInfo")
+
+
+def _parts(table: str) -> Optional[list[str]]:
+    from dbt_ivm.names import parts
+
+    try:
+        return parts(table)
+    except Exception:  # noqa: BLE001 - not a name this path understands: the statement decides
+        return None
+
+
+def history(session, table: str, limit: Optional[int]) -> Optional[list[tuple]]:
+    names = _parts(table)
+    if not names or len(names) not in (2, 3) or (len(names) == 3 and names[0] != "spark_catalog"):
+        return None
+    try:
+        jvm, js = session._jvm, session._jsparkSession
+        ident = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(
+            names[-1], jvm.scala.Option.apply(names[-2]))
+        meta = js.sessionState().catalog().getTableMetadata(ident)
+        if str(meta.provider().getOrElse(None) or "").lower() != "delta":
+            return None
+        log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, ident)
+        snapshot = log.update(False, jvm.scala.Option.empty(), jvm.scala.Option.empty())
+        newest = int(snapshot.version())
+        if newest < 0:
+            return None
+        conf = log.newDeltaHadoopConf()
+        fs = log.logPath().getFileSystem(conf)
+        store = log.store()
+        rows = []
+        oldest = 0 if not limit else max(newest - int(limit) + 1, 0)
+        for version in range(newest, oldest - 1, -1):
+            path = jvm.org.apache.hadoop.fs.Path(log.logPath(), f"{version:020d}.json")
+            if not fs.exists(path):
+                break  # cleaned up: the history ends here, as DESCRIBE HISTORY's does
+            info = _commit_info(store.read(path, conf).mkString("\n"))
+            if info is None:
+                return None
+            stamp_ms = info.get("inCommitTimestamp") or fs.getFileStatus(path).getModificationTime()
+            rows.append(_row(version, stamp_ms, info))
+        return rows
+    except Exception:  # noqa: BLE001 - any failure here: the statement reads it instead
+        return None
+
+
+def _commit_info(text: str) -> Optional[dict]:
+    for line in text.splitlines():
+        if '"commitInfo"' in line:
+            try:
+                return json.loads(line).get("commitInfo")
+            except ValueError:
+                return None
+    return None
+
+
+def _row(version: int, stamp_ms: int, info: dict) -> tuple:
+    stamp = datetime.datetime.fromtimestamp(int(stamp_ms) / 1000)
+    params = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (info.get("operationParameters") or {}).items()}
+    metrics = {str(k): str(v) for k, v in (info.get("operationMetrics") or {}).items()} or None
+    return (version, stamp, info.get("userId"), info.get("userName"), info.get("operation"), params,
+            info.get("job"), info.get("notebook"), info.get("clusterId"), info.get("readVersion"),
+            info.get("isolationLevel"), info.get("isBlindAppend"), metrics, info.get("userMetadata"),
+            info.get("engineInfo"))
