@@ -84,7 +84,8 @@ def _commit_info(text: str) -> Optional[dict]:
 
 def _row(version: int, stamp_ms: int, info: dict) -> tuple:
     stamp = datetime.datetime.fromtimestamp(int(stamp_ms) / 1000)
-    params = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (info.get("operationParameters") or {}).items()}
+    params = {str(k): v if isinstance(v, str) or v is None else json.dumps(v)
+              for k, v in (info.get("operationParameters") or {}).items()}
     metrics = {str(k): str(v) for k, v in (info.get("operationMetrics") or {}).items()} or None
     return (version, stamp, info.get("userId"), info.get("userName"), info.get("operation"), params,
             info.get("job"), info.get("notebook"), info.get("clusterId"), info.get("readVersion"),

@@ -1,0 +1,139 @@
+"""What a refresh costs beside its write: the Delta history read from the log
+(the embedded session's fast path, which must equal DESCRIBE HISTORY), the cost
+rule of ivm_policy 'auto' (rebuild when the state's history says a rebuild is
+cheaper: REBUILD_CHEAPER), and a rebuild that skips the statements whose answer
+the watermark already holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from dbt.adapters.spark_ivm import delta_log
+from dbt_ivm import refresh
+from dbt_ivm.refresh import Refresher, cheaper_to_rebuild, commit_stamps, describe_history, read_watermark
+from tests.harness import DbtProject, SessionExecutor, check_model, fresh_schemas, spark, sql
+
+pytestmark = pytest.mark.spark
+
+SRC, OUT = "cost_src", "cost_out"
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    p = DbtProject(tmp_path_factory.mktemp("cost"), name="cost", schema=OUT)
+    fresh_schemas(OUT, SRC)
+    sql(f"create table {SRC}.t (k int, v int) using delta tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"insert into {SRC}.t select id % 7, id from range(0, 200)")
+    p.write_sources(SRC, "t")
+    return p
+
+
+def _comparable(rows):
+    def norm(m):
+        return {str(k): str(v) for k, v in (m or {}).items()}
+
+    return [(int(r[0]), r[4], norm(r[5]), norm(r[12]), r[13]) for r in rows]
+
+
+def test_history_from_the_log_equals_describe_history(project):
+    t = f"{SRC}.hist"
+    sql(f"create table {t} (k int, v string) using delta tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"insert into {t} values (1, 'a'), (2, 'b'), (3, 'c')")
+    sql(f"update {t} set v = 'z' where k = 2")
+    sql(f"delete from {t} where k = 3")
+    sql(f"merge into {t} x using (select 1 as k, 'm' as v union all select 9, 'n') s on x.k = s.k "
+        "when matched then update set v = s.v when not matched then insert *")
+    spark().conf.set("spark.databricks.delta.commitInfo.userMetadata", '{"note": "`tick`"}')
+    try:
+        sql(f"insert into {t} values (5, 'e')")
+    finally:
+        spark().conf.unset("spark.databricks.delta.commitInfo.userMetadata")
+    sql(f"alter table {t} set tblproperties ('x.y' = '1')")
+    sql(f"optimize {t}")
+    for name, limit in ((f"`{SRC}`.`hist`", 3), (f"`spark_catalog`.`{SRC}`.`hist`", None)):
+        fast = delta_log.history(spark(), name, limit)
+        slow = [tuple(r) for r in sql(f"describe history {t}" + (f" limit {limit}" if limit else ""))]
+        assert fast is not None
+        assert _comparable(fast) == _comparable(slow)
+        assert commit_stamps(fast) == commit_stamps(slow)  # the source-replaced check compares these
+    # not Delta, or not there: the statement decides
+    sql(f"create table {SRC}.pq (k int) using parquet")
+    assert delta_log.history(spark(), f"`{SRC}`.`pq`", 1) is None
+    assert delta_log.history(spark(), f"`{SRC}`.`nope`", 1) is None
+    # an executor without the fast path reads the same through the statement
+    assert _comparable(describe_history(SessionExecutor(), f"`{SRC}`.`hist`", 2)) == _comparable(
+        delta_log.history(spark(), f"`{SRC}`.`hist`", 2))
+
+
+def test_cost_rule_follows_the_measured_costs(project):
+    project.write("models/m.sql", "{{ config(materialized='incremental_mv', ivm_cost_rule='auto') }}\n"
+                  "select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k")
+    out = project.dbt("run")
+    assert out.code("m") == "CREATE", out.response("m")
+    ex = SessionExecutor()
+    for step in range(3):
+        _, wm = read_watermark(ex, f"{OUT}.m__ivm_state")
+        assert wm.started is not None and "full" in wm.costs and wm.costs["full"] > 0, wm.costs
+        sql(f"update {SRC}.t set v = v + 1 where v % 50 = {step}")  # 4 rows
+        expected = cheaper_to_rebuild(wm.costs, 4)
+        out = project.dbt("run")
+        assert out.success, out.exception
+        response = out.response("m")
+        if expected is None:
+            assert response["code"] == "INCREMENTAL", response
+        else:
+            assert response["code"] == "FULL" and response["reason"] == "REBUILD_CHEAPER", response
+            assert "estimated" in out.results["m"].adapter_response["_message"]
+        assert check_model(f"{OUT}.m", out.results["m"].node.compiled_code) is None
+    # off: incremental whatever the history says
+    project.write("models/m.sql", "{{ config(materialized='incremental_mv', ivm_cost_rule='off') }}\n"
+                  "select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k")
+    sql(f"delete from {SRC}.t where v = 3")
+    out = project.dbt("run")
+    assert out.code("m") == "INCREMENTAL", out.response("m")
+    assert check_model(f"{OUT}.m", out.results["m"].node.compiled_code) is None
+
+
+def test_an_incremental_refresh_records_its_cost(project):
+    project.write("models/c.sql", "{{ config(materialized='incremental_mv', ivm_cost_rule='off') }}\n"
+                  "select k, count(*) as n from {{ source('src', 't') }} group by k")
+    assert project.dbt("run", "--select", "c").code("c") == "CREATE"
+    sql(f"insert into {SRC}.t values (1, 1000), (2, 1001)")
+    assert project.dbt("run", "--select", "c").code("c") == "INCREMENTAL"
+    _, wm = read_watermark(SessionExecutor(), f"{OUT}.c__ivm_state")
+    seconds, changes = wm.costs["incremental"]
+    assert seconds > 0 and changes == 2 and wm.costs["full"] > 0
+
+
+class _Recording(SessionExecutor):
+    def __init__(self):
+        super().__init__()
+        self.statements: list[str] = []
+
+    def query(self, statement: str):
+        self.statements.append(statement)
+        return super().query(statement)
+
+
+def test_a_rebuild_skips_what_the_watermark_knows(project):
+    sql_text = f"select k, max(v) as hi from {SRC}.t group by k"
+    first = _Recording()
+    assert Refresher(first, sql_text, f"{OUT}.r", {}, True).run().strategy == "CREATE"
+    assert any(s.startswith("DESCRIBE QUERY") for s in first.statements)
+    again = _Recording()
+    assert Refresher(again, sql_text, f"{OUT}.r", {}, True).run().strategy == "FULL"
+    assert not [s for s in again.statements if s.startswith(("DESCRIBE QUERY", "CREATE OR REPLACE VIEW",
+                                                             "DESCRIBE TABLE `"))], again.statements
+    assert check_model(f"{OUT}.r", sql_text) is None
+    # the view gone, or the SQL changed: re-created
+    sql(f"drop view {OUT}.r")
+    third = _Recording()
+    assert Refresher(third, sql_text, f"{OUT}.r", {}, True).run().strategy == "FULL"
+    assert any(s.startswith("CREATE OR REPLACE VIEW") for s in third.statements)
+    changed = f"select k, max(v) as hi, min(v) as lo from {SRC}.t group by k"
+    fourth = _Recording()
+    assert Refresher(fourth, changed, f"{OUT}.r", {}, False).run().strategy == "FULL"
+    assert any(s.startswith("DESCRIBE QUERY") for s in fourth.statements)
+    assert any(s.startswith("CREATE OR REPLACE VIEW") for s in fourth.statements)
+    assert check_model(f"{OUT}.r", changed) is None
+    assert refresh.INCREMENTAL_PRIOR_S > 0
