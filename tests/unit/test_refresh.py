@@ -356,6 +356,28 @@ def test_state_layout_values():
         validate_config({"ivm_state_layout": "log"})
 
 
+def test_cost_rule_values():
+    assert validate_config({})["ivm_cost_rule"] == "auto"
+    assert validate_config({"ivm_cost_rule": False})["ivm_cost_rule"] == "off"  # YAML's bare off
+    assert validate_config({"ivm_cost_rule": " OFF "})["ivm_cost_rule"] == "off"
+    with pytest.raises(IvmConfigError, match=r"Invalid ivm_cost_rule provided for model m: 'never'.*auto .*off"):
+        validate_config({"ivm_cost_rule": "never"}, model="m")
+
+
+def test_cost_rule_estimates():
+    from dbt_ivm.refresh import INCREMENTAL_PRIOR_S, cheaper_to_rebuild
+
+    assert cheaper_to_rebuild({}, 10) is None  # no rebuild measured: no opinion
+    assert cheaper_to_rebuild({"full": INCREMENTAL_PRIOR_S + 1}, 10) is None
+    assert cheaper_to_rebuild({"full": INCREMENTAL_PRIOR_S - 1}, 10).code == "REBUILD_CHEAPER"
+    # measured: a smaller change never estimated below the last cost; a bigger one grows it
+    assert cheaper_to_rebuild({"full": 5.0, "incremental": (4.0, 100)}, 1) is None
+    assert cheaper_to_rebuild({"full": 5.0, "incremental": (4.0, 100)}, 100) is None  # 4.0 s
+    assert cheaper_to_rebuild({"full": 6.5, "incremental": (4.0, 100)}, 200) is None  # 6.0 s
+    reason = cheaper_to_rebuild({"full": 5.0, "incremental": (4.0, 100)}, 1000)  # 22 s
+    assert reason.code == "REBUILD_CHEAPER" and "5.0s" in reason.message() and "22.0s" in reason.message()
+
+
 def _plan(sql):
     from dbt_ivm.catalog import Catalog
     from dbt_ivm.plan import build_plan
