@@ -226,6 +226,7 @@ def run_size(b: Bench, rows: int, out: list) -> None:
     for fraction in args.changes:
         for rep in range(args.repeats):
             changed = data.change(fraction)
+            data.warm()
             inc = b.dbt("mv")
             plain = b.dbt("table")
             reads = {}
@@ -259,6 +260,7 @@ def run_size(b: Bench, rows: int, out: list) -> None:
         b.dbt("inc", "--full-refresh")  # realign the hand-written models after the mixed rounds
         for rep in range(args.repeats):
             changed = data.change(args.insert_change, insert_only=True)
+            data.warm()
             mv, inc, plain = b.dbt("mv"), b.dbt("inc"), b.dbt("table")
             for s in b.shapes:
                 if not s.incremental or s.name not in inc:
