@@ -163,7 +163,7 @@ def _block_delta(block: Block, window: Window) -> Optional[exp.Query]:
     terms = []
     for mask in range(1, 1 << len(changed_at)):
         subset = {changed_at[j] for j in range(len(changed_at)) if mask >> j & 1}
-        rels = [deltas[i] if i in subset else snapshot(c, window, NEW) for i, c in enumerate(children)]
+        rels = [deltas[i].copy() if i in subset else snapshot(c, window, NEW) for i, c in enumerate(children)]
         term = _render_block(block, rels, negate=len(subset) % 2 == 0)
         if window.broadcast and len(children) > 1:
             term.set("hint", broadcast_hint(*(block.items[i][0] for i in sorted(subset))))
