@@ -210,7 +210,7 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False) -
                 out[a.col("top")] = f"CASE WHEN s.{RC} THEN s.{a.col('rcv')} ELSE {_merged_top(a, 't', 's')} END"
     visible = {}
     for name, expr in zip(plan.columns, plan.outputs):
-        value = _finalize(plan, expr, {**out, **unguarded})
+        value = _finalize(plan, expr, {**out, **unguarded}, types)
         visible[name] = _cast(value, types.get(name))
     return {**visible, **out}
 
@@ -229,8 +229,12 @@ def _cast(value: str, spark_type: Optional[str]) -> str:
 _SIMPLE_TYPE = re.compile(r"[A-Za-z_]+(\(\s*\d+\s*(,\s*\d+\s*)?\))?")
 
 
-def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, str]) -> str:
-    """The visible value of a select expression, from new state column values."""
+def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, str], types: dict) -> str:
+    """The visible value of a select expression, from new state column values.
+    An AVG of a decimal divides its sum cast to the type Spark's own AVG sums in
+    (``types[<sum column>]``, avg_sum_types): the state's sum is exact but wider,
+    and a wider dividend makes Spark round the quotient at another scale before
+    the cast to the visible type, a last-digit difference (BENCHMARKS.md)."""
     by_call = {a.call.sql(DIALECT): a for a in plan.aggregates}
 
     def value(a) -> str:
@@ -241,8 +245,10 @@ def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, str]) -> str:
         if a.func == "sum":
             return state[a.col("sum")]
         if a.func == "avg":
-            nn = state[a.col("nn")]
-            return f"CASE WHEN {nn} = 0 THEN NULL ELSE ({state[a.col('sum')]}) / {nn} END"
+            nn, total = state[a.col("nn")], state[a.col("sum")]
+            if types.get(a.col("sum")):
+                total = f"CAST({total} AS {types[a.col('sum')]})"
+            return f"CASE WHEN {nn} = 0 THEN NULL ELSE ({total}) / {nn} END"
         return f"try_element_at({state[a.col('top')]}, 1)"
 
     def repl(node: exp.Expression) -> exp.Expression:
@@ -420,6 +426,36 @@ def folded_state(plan: Plan, state: str, types: dict) -> str:
 
 
 # --------------------------------------------------------------------------- public
+
+
+def avg_args_query(plan: Optional[Plan], window: Window) -> Optional[str]:
+    """A query whose columns are the arguments of the plan's AVG calls at the
+    window's new versions (to DESCRIBE for avg_sum_types); None: no AVG."""
+    avgs = [a for a in (plan.aggregates if plan is not None and plan.kind == AGGREGATE else []) if a.func == "avg"]
+    if not avgs:
+        return None
+    rel = _sql(snapshot(plan.input, window, NEW))
+    return f"SELECT {', '.join(ident(a.arg) for a in avgs)} FROM ({rel}) AS {PREFIX}d"
+
+
+def avg_sum_types(plan: Plan, arg_types: dict) -> dict:
+    """AVG sum state column -> the type Spark's AVG sums a decimal argument in,
+    decimal(min(38, p + 10), s), from the arguments' types (DESCRIBE of
+    avg_args_query: column -> type). Other arguments are left out.
+
+    >>> p = type("P", (), {"aggregates": [type("A", (), {"func": "avg", "arg": "x", "col": lambda s, c: "x_" + c})()]})
+    >>> avg_sum_types(p, {"x": "decimal(12,2)"}), avg_sum_types(p, {"x": "DECIMAL(35, 4)"}), avg_sum_types(p, {"x": "int"})
+    ({'x_sum': 'decimal(22,2)'}, {'x_sum': 'decimal(38,4)'}, {})
+    """
+    out = {}
+    for a in plan.aggregates:
+        m = _DECIMAL.fullmatch(str(arg_types.get(a.arg, "")).strip()) if a.func == "avg" else None
+        if m:
+            out[a.col("sum")] = f"decimal({min(38, int(m.group(1)) + 10)},{int(m.group(2))})"
+    return out
+
+
+_DECIMAL = re.compile(r"(?i)decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)")
 
 
 def state_query(plan: Plan, window: Window, types: dict) -> str:

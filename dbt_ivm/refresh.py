@@ -111,6 +111,12 @@ class Watermark:
     changes: Optional[int] = None  # the changed source rows its (incremental) refresh applied
     view: str = ""  # digest of the view statement over the state (a rebuild re-creates the view only if it differs)
     costs: dict = field(default_factory=dict)  # ... and measured_costs of its recent commits
+    sums: dict = field(default_factory=dict)  # AVG sum state column -> Spark's sum type (apply.avg_sum_types)
+
+    def typed(self) -> dict:
+        """The types the state's statements are built with: the visible columns'
+        and the AVG sums'."""
+        return {**self.columns, **self.sums}
 
     def stamps(self) -> dict:
         """Physical table -> the timestamp of the commit at the version consumed
@@ -908,9 +914,9 @@ class Refresher:
         except UnsupportedQuery as u:
             return None, u
 
-    def _watermark(self, plan, sources, sig, decision, types) -> Watermark:
+    def _watermark(self, plan, sources, sig, decision, types, sums) -> Watermark:
         return Watermark(
-            signature=sig, kind=plan.kind if plan else BAG, sql=self.sql, columns=types,
+            signature=sig, kind=plan.kind if plan else BAG, sql=self.sql, columns=types, sums=sums,
             sources=[
                 {"name": s.name, "kind": s.kind, "physical": s.physical, "multiplicity": s.multiplicity,
                  "columns": [list(c) for c in s.columns], "version": s.version,
@@ -931,12 +937,15 @@ class Refresher:
         # schema are the ones recorded, and the three DESCRIBE statements are skipped.
         known = (state_exists and old is not None and old.signature == sig and bool(old.columns)
                  and old.state_version is not None and old.state_version == old.commit_version)
+        window = Window(new={s.physical: s.version for s in sources})
         if known:
-            types = dict(old.columns)
+            types, sums = dict(old.columns), dict(old.sums)
         else:
             types = {r[0].lower(): r[1] for r in self.ex.query(f"DESCRIBE QUERY {pinned}")}
+            args = apply.avg_args_query(plan, window)
+            sums = apply.avg_sum_types(plan, {r[0]: r[1] for r in self.ex.query(f"DESCRIBE QUERY {args}")}) if args else {}
         if plan is not None:
-            body = apply.state_query(plan, Window(new={s.physical: s.version for s in sources}), types)
+            body = apply.state_query(plan, window, {**types, **sums})
             kind, columns = plan.kind, plan.columns
         else:  # unsupported query: keep its rows as a bag, rebuilt each time
             columns = list(types)
@@ -944,14 +953,14 @@ class Refresher:
             kind = BAG
         if kind != AGGREGATE:
             _check_row_types(types)
-        view = self._view_statement(plan, kind, columns, types)
+        view = self._view_statement(plan, kind, columns, {**types, **sums})
         # The view is re-created only when its statement changed (or it is gone):
         # a CREATE OR REPLACE VIEW costs 0.1–0.9 s, a rebuild's whole budget at
         # small sizes (BENCHMARKS.md).
-        key = _digest(view + json.dumps(types, sort_keys=True))
+        key = _digest(view + json.dumps({**types, **sums}, sort_keys=True))
         keep_view = self.view_present and self.view_key == key
         self.view_key = key
-        wm = self._watermark(plan, sources, sig, decision, types)
+        wm = self._watermark(plan, sources, sig, decision, types, sums)
         if known:
             same, new_schema = True, []
         else:
@@ -1180,8 +1189,9 @@ class Refresher:
 
     def _apply(self, plan: Plan, sources, watermark: Watermark, result: Result, window: Window,
                change: Optional[str], groups: Optional[str], recompute: int) -> None:
-        merge = apply.merge_statement(plan, self.state, window, watermark.columns, groups, change)
-        wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns)
+        merge = apply.merge_statement(plan, self.state, window, watermark.typed(), groups, change)
+        wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns,
+                             watermark.sums)
         if merge is None:
             return
         self._set_properties(watermark)
@@ -1210,7 +1220,7 @@ class Refresher:
         """The append layout's one write: the window's per-group change as a layer
         of rows, carrying the watermark and the idempotency key as the MERGE does;
         then, every few layers, compaction (_fold)."""
-        types = watermark.columns
+        types = watermark.typed()
         insert = apply.append_statement(plan, self.state, window, types)
         if insert is None:
             return
@@ -1219,7 +1229,8 @@ class Refresher:
             # The folding view first: it reads a state without layers the same
             # as the plain one, so the model is right whatever happens next.
             self._create_view(plan, plan.kind, plan.columns, types)
-        wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), types)
+        wm = self._watermark(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns,
+                             watermark.sums)
         with self._commit(wm, watermark.commit_version):
             _failpoint("before_commit", self.relation)
             self.ex.query(insert)

@@ -30,6 +30,10 @@ TOTAL = """
     {{ config(materialized='incremental_mv', ivm_state_layout='append') }}
     select count(*) as n, sum(v) as s, avg(w) as aw from {{ source('src', 't') }} where v > 100
 """
+AVGS = """
+    {{ config(materialized='incremental_mv', ivm_state_layout='%s') }}
+    select g, avg(p) as ap, avg(p * 3) as ap3, count(*) as n from {{ source('src', 'm') }} group by g
+"""
 GROWN = """
     {{ config(materialized='incremental_mv'%s) }}
     select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k
@@ -43,13 +47,16 @@ def project(tmp_path_factory):
     props = "using delta tblproperties (delta.enableChangeDataFeed = true)"
     sql(f"create table {SRC}.t (k int, g string, v int, w double) {props}")
     sql(f"create table {SRC}.d (g string, label string) {props}")
+    sql(f"create table {SRC}.m (g int, p decimal(12, 2)) {props}")
     sql(f"insert into {SRC}.t select id % 6, concat('g', id % 4), id, id / 4.0 from range(0, 240)")
     sql(f"insert into {SRC}.t values (null, 'g1', 7, null), (2, 'g2', null, 1.5), (2, 'g2', null, 1.5)")
     sql(f"insert into {SRC}.d values ('g0', 'red'), ('g1', 'red'), ('g2', 'blue'), ('g3', null)")
-    p.write_sources(SRC, "t", "d")
+    p.write_sources(SRC, "t", "d", "m")
     p.write("models/sums.sql", SUMS)
     p.write("models/total.sql", TOTAL)
     p.write("models/grown.sql", GROWN % "")
+    p.write("models/avg_merge.sql", AVGS % "merge")
+    p.write("models/avg_append.sql", AVGS % "append")
     p.write("models/schema.yml", """
         version: 2
         models:
@@ -124,6 +131,33 @@ def test_append_layout_through_changes_and_compaction(project, monkeypatch):
     _, wm = refresh.read_watermark(SessionExecutor(), f"{OUT}.sums__ivm_state")
     assert wm.layout == "append" and wm.layers[0] == 1 and wm.layers[2] is not None, wm.layers
     assert project.dbt("test", "--select", "sums", "total").success
+
+
+def _cents(g: int, ones: int, zeros: int) -> str:
+    """Rows of group g: ``ones`` of 0.01 and ``zeros`` of 0.00."""
+    return f"insert into {SRC}.m select {g}, cast(if(id < {ones}, 0.01, 0) as decimal(12, 2)) from range({ones + zeros})"
+
+
+def test_avg_of_a_decimal_rounds_as_spark_does(project):
+    """AVG of decimal(12,2) is decimal(16,6). Five cents over 11 rows is
+    0.00454545...: Spark divides its decimal(22,2) sum at scale 18 and gets
+    0.004545; the state's sum is exact but wider, and dividing it as it is
+    rounds at scale 7 first (0.0045455), then 0.004546. Every path (build,
+    MERGE, appended layers folded by the view) must give Spark's digits."""
+    sql(_cents(1, 5, 6))
+    out = project.dbt("run", "--select", "avg_merge", "avg_append")
+    assert out.code("avg_merge") == "CREATE" and out.code("avg_append") == "CREATE"
+    _exact(out, "avg_merge", "avg_append")
+    assert str(sql(f"select ap from {OUT}.avg_merge where g = 1")[0][0]) == "0.004545"
+    for change in ([_cents(1, 5, 6), _cents(2, 5, 6)],  # ten cents over 22 rows; a new group
+                   [f"delete from {SRC}.m where g = 1 and p > 0"]):  # group 1: 0 over 12
+        for s in change:
+            sql(s)
+        out = project.dbt("run", "--select", "avg_merge", "avg_append")
+        _exact(out, "avg_merge", "avg_append")
+        assert out.code("avg_merge") == "INCREMENTAL" and out.code("avg_append") == "INCREMENTAL"
+    assert [tuple(r) for r in sql(f"select g, cast(ap as string), n from {OUT}.avg_append order by g")] == [
+        (1, "0.000000", 12), (2, "0.004545", 11)]
 
 
 def test_auto_layout_switches_big_states_and_back_to_merge(project, monkeypatch):
