@@ -12,7 +12,11 @@ incremental_mv's state table). The rules (DESIGN.md §5):
           Π Ri' − Π Ri over the changed inputs, reading only new snapshots
           (_block_delta) — exact for bags, self-joins included (each occurrence
           is its own input);
-* union:  the union of the arms' deltas.
+* union:  the union of the arms' deltas;
+* keyed:  an outer / semi / anti join, or a GROUP BY, DISTINCT or window below
+          the root (plan.Keyed), by affected-key recompute (_keyed_delta): the
+          operator's rows for the keys the inputs' deltas touch, recomputed at
+          the new versions, minus the same at the old — both from new snapshots.
 
 Aggregation, DISTINCT and bag consolidation sit at the root: ``dbt_ivm.apply``.
 """
@@ -27,7 +31,7 @@ from sqlglot import exp
 from dbt_ivm.catalog import Source
 from dbt_ivm import names
 from dbt_ivm.names import DIALECT, canonical, ident
-from dbt_ivm.plan import Block, Node, Scan, UnionAll
+from dbt_ivm.plan import PREFIX, Block, Keyed, Node, Scan, UnionAll
 
 W = "__ivm_w"
 OLD, NEW = "old", "new"
@@ -66,6 +70,9 @@ def snapshot(node: Node, window: Window, side: str) -> exp.Query:
         return _render_block(node, [snapshot(child, window, side) for _, child in node.items])
     if isinstance(node, UnionAll):
         return _union([snapshot(arm, window, side) for arm in node.arms])
+    if isinstance(node, Keyed):
+        rels = [snapshot(child, window, side) for _, child in node.items]
+        return _render_keyed(node, [r if unit(c) else _units(r) for (_, c), r in zip(node.items, rels)])
     raise TypeError(f"no snapshot rule for {type(node).__name__}")
 
 
@@ -79,14 +86,26 @@ def delta(node: Node, window: Window) -> Optional[exp.Query]:
     if isinstance(node, UnionAll):
         parts = [d for d in (delta(arm, window) for arm in node.arms) if d is not None]
         return _union(parts) if parts else None
+    if isinstance(node, Keyed):
+        return _keyed_delta(node, window)
     raise TypeError(f"no delta rule for {type(node).__name__}")
 
 
 def changed(node: Node, window: Window) -> bool:
     if isinstance(node, Scan):
         return window.changed(node.source)
-    children = [c for _, c in node.items] if isinstance(node, Block) else node.arms
+    children = node.arms if isinstance(node, UnionAll) else [c for _, c in node.items]
     return any(changed(c, window) for c in children)
+
+
+def unit(node: Node) -> bool:
+    """Every row of the node's snapshots has weight 1 (no upstream multiplicity)."""
+    if isinstance(node, Scan):
+        return node.source.multiplicity is None
+    if isinstance(node, Keyed):
+        return True
+    children = node.arms if isinstance(node, UnionAll) else [c for _, c in node.items]
+    return all(unit(c) for c in children)
 
 
 # --------------------------------------------------------------------------- scan
@@ -205,3 +224,96 @@ def _union(parts: list[exp.Query]) -> exp.Query:
     for part in parts[1:]:
         out = exp.Union(this=out, expression=part, distinct=False)
     return out
+
+
+# --------------------------------------------------------------------------- keyed
+
+
+def _keyed_delta(node: Keyed, window: Window) -> Optional[exp.Query]:
+    """Δ of an operator whose rows for a key value depend only on its inputs'
+    rows with that value: K = the key values of every changed input's delta;
+    Δ = op(inputs' new rows with a key in K) − op(inputs' old rows with a key
+    in K). An input's old rows are its new rows minus its delta, consolidated
+    (rows summed by value), so no old snapshot is read (see _block_delta).
+    The operator runs as written over unit rows (a row of weight n repeated n
+    times), so outer joins, semi joins, aggregates and windows keep their SQL
+    meaning; each of its rows weighs 1. A key changed by an update is in K
+    with its old and its new value (the delta holds both images)."""
+    deltas = [delta(child, window) for _, child in node.items]
+    if all(d is None for d in deltas):
+        return None
+    parts = []
+    for (alias, _), d, keys in zip(node.items, deltas, node.keys):
+        if d is not None:
+            parts.append(exp.select(*(exp.alias_(k.copy(), f"{PREFIX}k{i}", quoted=True) for i, k in enumerate(keys)))
+                         .from_(_aliased(d.copy(), alias)))
+    affected = exp.select("*").from_(_aliased(_union(parts), f"{PREFIX}kd")).distinct()
+    new_rels, old_rels = [], []
+    for (alias, child), d, keys in zip(node.items, deltas, node.keys):
+        snap = snapshot(child, window, NEW)
+        cols = _columns_of(snap)
+        new = _restricted(snap, alias, keys, affected, window)
+        new_rels.append(new if unit(child) else _units(new, cols))
+        if d is None:  # unchanged: its old rows are its new rows
+            old_rels.append(new_rels[-1].copy())
+            continue
+        gone = exp.select(*(exp.column(c, quoted=True) for c in cols),
+                          exp.alias_(exp.Neg(this=exp.column(W, quoted=True)), W, quoted=True)).from_(
+            _aliased(_restricted(d.copy(), alias, keys, affected, window), f"{PREFIX}dd"))
+        old_rels.append(_units(_consolidated(_union([new.copy(), gone]), cols), cols))
+    return _union([_render_keyed(node, new_rels), _render_keyed(node, old_rels, weight=-1)])
+
+
+def _render_keyed(node: Keyed, relations: list[exp.Query], weight: int = 1) -> exp.Select:
+    """The operator's SELECT over the given unit-row relations (same aliases),
+    each of its rows weighing ``weight``."""
+    select = node.select.copy()
+    slots = [select.args["from_"]] + list(select.args.get("joins") or [])
+    for slot, (alias, _), rel in zip(slots, node.items, relations):
+        slot.set("this", exp.Subquery(this=rel, alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True))))
+    select.append("expressions", exp.alias_(exp.Literal.number(weight), W, quoted=True))
+    return select
+
+
+def _aliased(query: exp.Query, alias: str) -> exp.Subquery:
+    return exp.Subquery(this=query, alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True)))
+
+
+def _columns_of(query: exp.Query) -> list[str]:
+    """A weighted relation's columns, its weight left out."""
+    while isinstance(query, exp.SetOperation):
+        query = query.this
+    return [c for c in query.named_selects if c != W]
+
+
+def _restricted(rel: exp.Query, alias: str, keys: list, affected: exp.Query, window: Window) -> exp.Select:
+    """The rows of ``rel`` (read as ``alias``) whose key is in ``affected``
+    (null-safe: a NULL key is a key like any other)."""
+    ks = f"{PREFIX}ks"
+    on = exp.and_(*(exp.NullSafeEQ(this=k.copy(), expression=exp.column(f"{PREFIX}k{i}", table=ks, quoted=True))
+                    for i, k in enumerate(keys)))
+    out = exp.select(exp.Column(this=exp.Star(), table=exp.to_identifier(alias, quoted=True))).from_(
+        _aliased(rel, alias)).join(_aliased(affected.copy(), ks), on=on, join_type="left semi")
+    if window.broadcast:
+        out.set("hint", broadcast_hint(ks))
+    return out
+
+
+def _consolidated(rel: exp.Query, cols: list[str]) -> exp.Select:
+    """Rows summed by value: each distinct row once, weighing the sum of its
+    weights; rows summing to 0 dropped."""
+    listed = [exp.column(c, quoted=True) for c in cols]
+    total = exp.Sum(this=exp.column(W, quoted=True))
+    return (exp.select(*listed, exp.alias_(total, W, quoted=True)).from_(_aliased(rel, f"{PREFIX}c"))
+            .group_by(*(c.copy() for c in listed)).having(exp.GT(this=total.copy(), expression=exp.Literal.number(0))))
+
+
+def _units(rel: exp.Query, cols: Optional[list[str]] = None) -> exp.Select:
+    """A weighted relation as unit rows: a row of weight n repeated n times."""
+    cols = _columns_of(rel) if cols is None else cols
+    n = f"{PREFIX}n"
+    repeated = exp.select(*(exp.column(c, quoted=True) for c in cols), exp.alias_(exp.Explode(
+        this=exp.func("sequence", exp.Literal.number(1), exp.cast(exp.column(W, quoted=True), "int"))), n,
+        quoted=True)).from_(_aliased(rel, f"{PREFIX}r"))
+    return exp.select(*(exp.column(c, quoted=True) for c in cols),
+                      exp.alias_(exp.Literal.number(1), W, quoted=True)).from_(_aliased(repeated, f"{PREFIX}u"))

@@ -32,7 +32,8 @@ from dbt_ivm import names
 from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.errors import IvmConfigError, Reason, UnsupportedQuery
 from dbt_ivm.names import DIALECT
-from dbt_ivm.support import check_structure, check_support
+from dbt_ivm.subqueries import decorrelate
+from dbt_ivm.support import check_structure, check_support, root_decomposable
 
 PREFIX = "__ivm_"
 # 2: MIN/MAX keep a bounded top-k per group; 3: canonical quoted table names
@@ -67,7 +68,22 @@ class UnionAll:
     arms: list["Node"]
 
 
-Node = Union[Scan, Block, UnionAll]
+@dataclass
+class Keyed:
+    """An operator maintained by affected-key recompute (``delta._keyed_delta``):
+    an outer / semi / anti join of its two items, or a GROUP BY, DISTINCT or
+    window over its one item, written as ``select`` (its FROM/JOIN relations
+    are the items, as in a Block). ``keys[i]``: expressions over item i's alias
+    such that the operator's rows for one key value depend only on the input
+    rows with that value (the equi-join keys, the group keys, the DISTINCT
+    columns, the PARTITION BY keys)."""
+
+    select: exp.Select
+    items: list[tuple[str, "Node"]]
+    keys: list[list[exp.Expression]]
+
+
+Node = Union[Scan, Block, UnionAll, Keyed]
 
 
 @dataclass
@@ -359,6 +375,7 @@ def build_plan(sql: str, catalog: Catalog) -> Plan:
 
     columns = [c.lower() for c in query.named_selects]
     _check_columns(columns)
+    decorrelate(query)  # EXISTS / NOT EXISTS / IN (subquery) in a WHERE: semi and anti joins
 
     reasons = check_support(query)
     sources = [catalog.get(n) for n in referenced_tables(sql)]
@@ -397,8 +414,13 @@ def _check_columns(columns: list[str]) -> None:
 def _normalize_root(query: exp.Query, columns: list[str], catalog: Catalog) -> Plan:
     # parse() made CTE names unique, so a bare table name that is a CTE name is that CTE
     ctes = {c.alias_or_name.lower(): c.this for c in query.find_all(exp.CTE)}
-    if isinstance(query, exp.Select) and (query.args.get("group") or _has_aggregate(query)):
+    if isinstance(query, exp.Select) and (query.args.get("group") or _has_aggregate(query)) \
+            and root_decomposable(query):
         return _aggregate_plan(query, columns, catalog, ctes)
+    # Anything else — a bag, DISTINCT, or an aggregate the state cannot keep
+    # from deltas alone (HAVING, COUNT(DISTINCT), percentile ...): the state is
+    # the rows as a bag, and the input's delta comes from the operators' rules
+    # (an aggregate recomputed for its affected groups: Keyed).
     kind = BAG
     body = query.copy()
     if isinstance(body, exp.Select) and body.args.get("distinct"):
@@ -467,14 +489,180 @@ def _node(query: exp.Expression, catalog: Catalog, ctes: dict) -> Node:
     # (and sqlglot's Spark writer would hoist it once per delta term).
     query = query.copy()
     query.set("with_", None)
+    joins = query.args.get("joins") or []
+    keyed = [i for i, j in enumerate(joins) if keyed_join(j)]
+    if keyed:
+        return _split_join(query, keyed[-1], catalog, ctes)
+    if _keyed_select(query):
+        return _split_operator(query, catalog, ctes)
     items: list[tuple[str, Node]] = []
     for rel in _relations(query):
-        alias = rel.alias_or_name
-        if isinstance(rel, exp.Table):
-            items.append((alias, _table_node(rel, catalog, ctes)))
-        else:
-            items.append((alias, _node(rel.this, catalog, ctes)))
+        items.append((rel.alias_or_name, _item(rel, catalog, ctes)))
     return Block(select=query, items=items)
+
+
+def keyed_join(join: exp.Join) -> bool:
+    """An outer, semi or anti join: maintained by affected-key recompute."""
+    return (join.side or "").upper() in ("LEFT", "RIGHT", "FULL") or (join.kind or "").upper() in ("SEMI", "ANTI")
+
+
+def _keyed_select(select: exp.Select) -> bool:
+    """A SELECT whose own operator is not linear: GROUP BY / aggregates,
+    DISTINCT or window functions (maintained as a Keyed node)."""
+    return bool(select.args.get("group") or select.args.get("distinct") or select.args.get("having")
+                or _has_aggregate(select) or _windows(select))
+
+
+def _windows(select: exp.Select) -> list[exp.Window]:
+    return [w for e in select.expressions for w in e.find_all(exp.Window)]
+
+
+def _scope_columns(select: exp.Select) -> list[exp.Column]:
+    """The columns a SELECT itself references (its list, WHERE, GROUP BY,
+    HAVING, QUALIFY and join conditions), not those inside its relations."""
+    parts = [*select.expressions] + [select.args.get(k) for k in ("where", "group", "having", "qualify")]
+    parts += [j.args.get("on") for j in select.args.get("joins") or []]
+    return [c for part in parts if part is not None for c in part.find_all(exp.Column)]
+
+
+def _item(rel: exp.Expression, catalog: Catalog, ctes: dict) -> Node:
+    """The node of one FROM/JOIN relation: a table (or CTE) or a derived table."""
+    if isinstance(rel, exp.Table):
+        return _table_node(rel, catalog, ctes)
+    if isinstance(rel, exp.Subquery) and rel.alias:
+        return _node(rel.this, catalog, ctes)
+    raise UnsupportedQuery([Reason(
+        "UNSUPPORTED_RELATION", f"the relation {rel.sql(DIALECT)[:80]} has no name to read it by",
+        "the model is refreshed by full rebuilds; give the derived table an alias")])
+
+
+def _lift(select: exp.Select, aliases: list[str], into: str) -> tuple[list[exp.Expression], dict]:
+    """The columns ``select`` references from the relations ``aliases``, as
+    projections named ``__ivm_j<n>`` (unique), and a map (alias, column) ->
+    name; every such reference in ``select`` is rewritten to ``into.<name>``."""
+    names: dict = {}
+    for col in _scope_columns(select):
+        if col.table in aliases:
+            names.setdefault((col.table, col.name), f"{PREFIX}j{len(names)}")
+    for col in _scope_columns(select):
+        if col.table in aliases:
+            col.replace(exp.column(names[(col.table, col.name)], table=into, quoted=True))
+    projections = [exp.alias_(exp.column(c, table=t, quoted=True), n, quoted=True) for (t, c), n in names.items()]
+    return projections or [exp.alias_(exp.Literal.number(1), f"{PREFIX}one", quoted=True)], names
+
+
+def _split_join(query: exp.Select, m: int, catalog: Catalog, ctes: dict) -> Node:
+    """``query`` at its last outer/semi/anti join (joins[m]), left-deep as SQL
+    evaluates it: X = the relations before that join (a node of its own), O = X
+    joined with joins[m]'s relation (a Keyed node on the equi-join keys), and
+    the query itself over O and the relations joined after it (a Block)."""
+    rels = _relations(query)
+    joins = query.args["joins"]
+    left = [r.alias_or_name for r in rels[: m + 1]]
+    right = rels[m + 1].alias_or_name
+    x_alias, o_alias = f"{PREFIX}l{m}", f"{PREFIX}o{m}"
+    outer = joins[m]
+    if outer.args.get("on") is None:
+        raise UnsupportedQuery([_no_keys(outer)])
+    # the query over O: what it reads of the relations up to the join, lifted
+    top = query.copy()
+    top.set("joins", [j.copy() for j in joins[m + 1:]])
+    lifted, _ = _lift(top, left + [right], o_alias)
+    top.set("from_", exp.From(this=exp.Table(this=exp.to_identifier(o_alias, quoted=True))))
+    # O: X joined with the relation, projecting what the query reads
+    o_select = exp.Select(expressions=lifted).from_(exp.Table(this=exp.to_identifier(x_alias, quoted=True)))
+    o_select.set("joins", [outer.copy()])
+    # X: the relations before the join, projecting what O reads of them
+    x = exp.Select(expressions=[]).from_(rels[0].copy())
+    x.set("joins", [j.copy() for j in joins[:m]])
+    x.set("expressions", _lift(o_select, left, x_alias)[0])
+    keys = _join_keys(o_select.args["joins"][0].args["on"], x_alias, right)
+    if not keys:
+        raise UnsupportedQuery([_no_keys(outer)])
+    o_node = Keyed(select=o_select, items=[(x_alias, _node(x, catalog, ctes)),
+                                           (right, _item(rels[m + 1], catalog, ctes))],
+                   keys=[[k[0] for k in keys], [k[1] for k in keys]])
+    items = [(o_alias, o_node)] + [(r.alias_or_name, _item(r, catalog, ctes)) for r in rels[m + 2:]]
+    return Block(select=top, items=items)
+
+
+def _no_keys(join: exp.Join) -> Reason:
+    return Reason(
+        "UNSUPPORTED_OUTER_JOIN",
+        f"{' '.join(p for p in (join.side, join.kind) if p)} JOIN without an equality between its two sides "
+        f"({(join.args.get('on') or exp.true()).sql(DIALECT)}): no key bounds what a change affects",
+        "the model is refreshed by full rebuilds; join on an equality (with any extra condition) to maintain it")
+
+
+def _join_keys(on: exp.Expression, left: str, right: str) -> list[tuple[exp.Expression, exp.Expression]]:
+    """(left expression, right expression) of each equality conjunct of ``on``
+    that compares the two sides (one side's columns each)."""
+    out = []
+    for conj in on.flatten() if isinstance(on, exp.And) else [on]:
+        if not isinstance(conj, exp.EQ):
+            continue
+        sides = []
+        for e in (conj.this, conj.expression):
+            tables = {c.table for c in e.find_all(exp.Column)}
+            sides.append(tables.pop() if len(tables) == 1 else None)
+        if sides == [left, right]:
+            out.append((conj.this.copy(), conj.expression.copy()))
+        elif sides == [right, left]:
+            out.append((conj.expression.copy(), conj.this.copy()))
+    return out
+
+
+def _split_operator(query: exp.Select, catalog: Catalog, ctes: dict) -> Node:
+    """A SELECT with GROUP BY / aggregates, DISTINCT or windows: X = its FROM,
+    joins and WHERE (a node of its own), and the operator over X as a Keyed
+    node keyed on the group keys, the DISTINCT columns or the PARTITION BY
+    keys every window shares."""
+    x_alias = f"{PREFIX}g"
+    op = query.copy()
+    rels = _relations(op)
+    aliases = [r.alias_or_name for r in rels]
+    where = op.args.get("where")
+    op.set("where", None)
+    x = exp.Select(expressions=[]).from_(rels[0].copy())
+    x.set("joins", [j.copy() for j in op.args.get("joins") or []])
+    if where is not None:
+        x.set("where", where.copy())
+    op.set("joins", None)
+    cols, _ = _lift(op, aliases, x_alias)
+    x.set("expressions", cols)
+    op.set("from_", exp.From(this=exp.Table(this=exp.to_identifier(x_alias, quoted=True))))
+    group = op.args.get("group")
+    windows = _windows(op)
+    if (group or _has_aggregate(op)) and windows:
+        raise UnsupportedQuery([Reason(
+            "UNSUPPORTED_WINDOW", "window functions over an aggregate in the same SELECT are not maintained",
+            "the model is refreshed by full rebuilds; aggregate in a subquery and apply the window above it")])
+    if group or _has_aggregate(op) or op.args.get("having"):
+        keys = [k.copy() for k in group.expressions] if group else []
+        if not keys:
+            raise UnsupportedQuery([Reason(
+                "UNSUPPORTED_SCALAR_AGGREGATE",
+                "an aggregate without GROUP BY that is not kept from deltas alone (inside a subquery, CTE or "
+                "UNION arm, or with HAVING or a non-decomposable aggregate): its one row depends on every input row",
+                "the model is refreshed by full rebuilds; make it an incremental_mv of its own and read that")])
+    elif op.args.get("distinct"):
+        keys = [e.unalias().copy() for e in op.expressions]
+    else:
+        keys = _partition_keys(windows)
+        if not keys:
+            raise UnsupportedQuery([Reason(
+                "UNSUPPORTED_WINDOW", "a window without PARTITION BY (or windows partitioned by different keys) "
+                "depends on every row", "the model is refreshed by full rebuilds")])
+    return Keyed(select=op, items=[(x_alias, _node(x, catalog, ctes))], keys=[keys])
+
+
+def _partition_keys(windows: list[exp.Window]) -> list[exp.Expression]:
+    """The PARTITION BY expressions every window has (by their SQL)."""
+    shared = None
+    for w in windows:
+        mine = {p.sql(DIALECT): p for p in w.args.get("partition_by") or []}
+        shared = mine if shared is None else {k: v for k, v in shared.items() if k in mine}
+    return [v.copy() for v in (shared or {}).values()]
 
 
 def _table_node(table: exp.Table, catalog: Catalog, ctes: dict) -> Node:

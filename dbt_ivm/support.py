@@ -106,8 +106,6 @@ def check_support(query: exp.Query) -> list[Reason]:
                 "use UNION ALL, or SELECT DISTINCT over a UNION ALL")
         elif isinstance(node, exp.Join):
             _check_join(node, add)
-        elif isinstance(node, (exp.Window, exp.Qualify)):
-            add("UNSUPPORTED_WINDOW", "window functions (OVER ...) are not supported by incremental_mv")
         elif isinstance(node, (exp.Exists, exp.Any, exp.All)) or (
             isinstance(node, exp.In) and node.args.get("query")
         ):
@@ -129,55 +127,50 @@ def _is_relation(subquery: exp.Subquery) -> bool:
 
 
 def _check_join(join: exp.Join, add) -> None:
+    """Inner and cross joins are linear (delta rules); outer, semi and anti
+    joins are maintained by affected-key recompute on their equi-join keys
+    (plan.Keyed; one without an equality is refused there)."""
     side = (join.side or "").upper()
     kind = (join.kind or "").upper()
-    if kind in ("SEMI", "ANTI"):
-        add("UNSUPPORTED_SEMI_JOIN", f"{side} {kind} JOIN is not supported incrementally yet".strip())
-    elif side in ("LEFT", "RIGHT", "FULL"):
-        add("UNSUPPORTED_OUTER_JOIN", f"{side} OUTER JOIN is not supported incrementally yet")
+    if kind in ("SEMI", "ANTI") and side not in ("", "LEFT"):
+        add("UNSUPPORTED_JOIN", f"{side} {kind} JOIN is not supported by incremental_mv")
     if kind not in ("", "INNER", "CROSS", "SEMI", "ANTI", "OUTER"):
         add("UNSUPPORTED_JOIN", f"{kind} JOIN is not supported by incremental_mv")
 
 
 def _check_select(select: exp.Select, root: exp.Query, ctes: set, add) -> None:
+    """GROUP BY, DISTINCT, HAVING, any aggregate and windows are maintained:
+    at the root by the aggregate state where decomposable (root_decomposable),
+    else — and below the root — by affected-key recompute on the group keys,
+    the DISTINCT columns or the PARTITION BY keys (plan.Keyed). Grouping sets
+    have no such key (a subtotal row depends on many groups)."""
     group = select.args.get("group")
-    aggs = [n for e in select.expressions for n in e.find_all(exp.AggFunc)]
-    is_root = select is root
-    if select.args.get("having"):
-        add("UNSUPPORTED_HAVING", "HAVING is not supported incrementally yet")
     if group and (
         any(group.args.get(k) for k in ("rollup", "cube", "grouping_sets"))
         or any(isinstance(k, (exp.Rollup, exp.Cube, exp.GroupingSets)) for k in group.expressions)
     ):
         add("UNSUPPORTED_GROUPING_SETS", "ROLLUP / CUBE / GROUPING SETS are not supported by incremental_mv")
-    if (group or aggs) and not is_root:
-        add("UNSUPPORTED_NESTED_AGGREGATE",
-            "GROUP BY or aggregates inside a subquery, CTE or UNION arm are not supported incrementally yet",
-            _HINT_FULL + "; aggregate at the top of the model, or split it into two chained incremental_mv models")
-    if select.args.get("distinct") and not is_root:
-        add("UNSUPPORTED_NESTED_DISTINCT",
-            "SELECT DISTINCT inside a subquery, CTE or UNION arm is not supported incrementally yet",
-            _HINT_FULL + "; split it into two chained incremental_mv models")
-    if select.args.get("distinct") and (group or aggs):
-        add("UNSUPPORTED_DISTINCT_AGGREGATE", "SELECT DISTINCT together with GROUP BY/aggregates is not supported incrementally")
-    for agg in aggs:
-        if not isinstance(agg, _MAINTAINED_AGGREGATES):
-            add("UNSUPPORTED_AGGREGATE",
-                f"aggregate {agg.sql('spark')} is not decomposable; only COUNT, SUM, AVG, MIN and MAX are maintained")
-        elif isinstance(agg.this, exp.Distinct) or agg.find(exp.Distinct):
-            add("UNSUPPORTED_AGGREGATE", f"{agg.sql('spark')}: DISTINCT inside an aggregate is not maintained incrementally yet")
-        elif agg.find(exp.AggFunc) is not agg or any(a is not agg for a in agg.find_all(exp.AggFunc)):
-            add("UNSUPPORTED_AGGREGATE", f"nested aggregate {agg.sql('spark')} is not supported")
-        elif agg.args.get("filter") or isinstance(agg.parent, exp.Filter):
-            add("UNSUPPORTED_AGGREGATE", f"aggregate FILTER clauses ({agg.sql('spark')}) are not supported yet")
-    if is_root and (group or aggs):
-        for e in select.expressions:
-            inner = e.unalias()
-            if isinstance(inner, exp.AggFunc):
-                continue
-            if not _covered_by_keys(inner, group.expressions if group else []):
-                add("UNSUPPORTED_EXPRESSION",
-                    f"select expression {inner.sql('spark')} is neither a GROUP BY key nor built from keys and aggregates")
+
+
+def root_decomposable(select: exp.Select) -> bool:
+    """A root aggregate the aggregate state maintains from deltas alone: COUNT,
+    SUM, AVG, MIN and MAX without DISTINCT or FILTER, no HAVING, no DISTINCT,
+    every select expression built from keys and aggregates. Any other
+    aggregate is maintained by recomputing the affected groups (plan.Keyed)."""
+    group = select.args.get("group")
+    if select.args.get("having") or select.args.get("distinct"):
+        return False
+    for agg in (n for e in select.expressions for n in e.find_all(exp.AggFunc)):
+        if not isinstance(agg, _MAINTAINED_AGGREGATES) or agg.find(exp.Distinct):
+            return False
+        if any(a is not agg for a in agg.find_all(exp.AggFunc)) or agg.args.get("filter") \
+                or isinstance(agg.parent, exp.Filter):
+            return False
+    for e in select.expressions:
+        inner = e.unalias()
+        if not isinstance(inner, exp.AggFunc) and not _covered_by_keys(inner, group.expressions if group else []):
+            return False
+    return True
 
 
 def _covered_by_keys(expr: exp.Expression, keys: list[exp.Expression]) -> bool:
