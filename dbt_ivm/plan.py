@@ -648,12 +648,32 @@ def _split_operator(query: exp.Select, catalog: Catalog, ctes: dict) -> Node:
     elif op.args.get("distinct"):
         keys = [e.unalias().copy() for e in op.expressions]
     else:
+        _break_ties(windows, [exp.column(p.alias, table=x_alias, quoted=True) for p in cols])
         keys = _partition_keys(windows)
         if not keys:
             raise UnsupportedQuery([Reason(
                 "UNSUPPORTED_WINDOW", "a window without PARTITION BY (or windows partitioned by different keys) "
                 "depends on every row", "the model is refreshed by full rebuilds")])
     return Keyed(select=op, items=[(x_alias, _node(x, catalog, ctes))], keys=[keys])
+
+
+_ORDER_SENSITIVE = (exp.RowNumber, exp.Ntile, exp.Lag, exp.Lead, exp.NthValue)
+
+
+def _break_ties(windows: list[exp.Window], columns: list[exp.Expression]) -> None:
+    """Windows whose value depends on the order among rows the ORDER BY ties
+    (ROW_NUMBER, NTILE, LAG, LEAD, NTH_VALUE, a ROWS frame) order those rows by
+    every column the query reads, after its own ORDER BY: a recompute then
+    numbers them as the last one did (rows equal in every column read are
+    interchangeable). Spark's own answer for ties is any order; RANK and RANGE
+    frames treat ties as peers and are left as written."""
+    for w in windows:
+        order = w.args.get("order")
+        spec = w.args.get("spec")
+        rows = spec is not None and str(spec.args.get("kind") or "").upper() == "ROWS"
+        if order is None or not (isinstance(w.this, _ORDER_SENSITIVE) or rows):
+            continue
+        order.set("expressions", [*order.expressions, *(exp.Ordered(this=c.copy()) for c in columns)])
 
 
 def _partition_keys(windows: list[exp.Window]) -> list[exp.Expression]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sqlglot import exp
 
-from dbt_ivm.determinism import find_nondeterministic
+from dbt_ivm.determinism import find_nondeterministic, find_order_dependent
 from dbt_ivm.errors import Reason
 
 _HINT_FULL = "the model is refreshed by full rebuilds"
@@ -98,6 +98,10 @@ def check_support(query: exp.Query) -> list[Reason]:
             add("UNSUPPORTED_ORDER_LIMIT", "LIMIT / OFFSET keeps a subset of rows that no delta rule maintains",
                 _HINT_FULL)
 
+    for name in find_order_dependent(query):
+        add("UNSUPPORTED_AGGREGATE",
+            f"{name} depends on the order rows arrive in: a recompute of the groups or partitions a change "
+            "touches may pick another of its valid answers than the state holds", _HINT_FULL)
     for node in query.walk():
         if isinstance(node, (exp.Intersect, exp.Except)):
             add("UNSUPPORTED_SET_OPERATION", f"{node.key.upper()} is not supported by incremental_mv")

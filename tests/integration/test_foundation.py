@@ -37,6 +37,7 @@ def project(tmp_path_factory):
           - {name: on_nocdf, data_tests: [ivm_consistent]}
           - {name: empty_scalar, data_tests: [ivm_consistent]}
           - {name: with_having, data_tests: [ivm_consistent]}
+          - {name: global_rank, data_tests: [ivm_consistent]}
     """)
     models = {
         "by_cust": "select cust, sum(amount) as total, count(*) as n, avg(price) as avg_price "
@@ -47,6 +48,7 @@ def project(tmp_path_factory):
         "empty_scalar": "select count(*) as n, sum(x) as s, min(x) as mn from {{ source('src', 'empty') }}",
         "with_having": "select cust, sum(amount) as total from {{ source('src', 'orders') }} "
                        "group by cust having sum(amount) > 6",
+        "global_rank": "select id, rank() over (order by amount desc) as r from {{ source('src', 'orders') }}",
     }
     for name, body in models.items():
         p.write(f"models/{name}.sql", "{{ config(materialized='incremental_mv') }}\n" + body)
@@ -56,7 +58,7 @@ def project(tmp_path_factory):
 def test_first_build_creates_state_and_a_view_with_exactly_the_models_columns(project):
     out = project.dbt("run")
     assert out.success, out.exception
-    for name in ("by_cust", "rows_bag", "on_parquet", "on_nocdf", "empty_scalar", "with_having"):
+    for name in ("by_cust", "rows_bag", "on_parquet", "on_nocdf", "empty_scalar", "with_having", "global_rank"):
         assert out.code(name) == "CREATE", (name, out.response(name))
     tables = {r.tableName: r for r in sql("show tables in fnd")}
     assert "by_cust__ivm_state" in tables
@@ -98,7 +100,8 @@ def test_changes_refresh_with_strategy_and_reason(project):
     assert (out.code("on_parquet"), out.response("on_parquet")["reason"]) == ("FULL", "SOURCE_NOT_DELTA")
     assert (out.code("on_nocdf"), out.response("on_nocdf")["reason"]) == ("FULL", "CDF_DISABLED")
     assert "enableChangeDataFeed" in out.results["on_nocdf"].message
-    assert (out.code("with_having"), out.response("with_having")["reason"]) == ("FULL", "UNSUPPORTED_HAVING")
+    assert out.code("with_having") == "INCREMENTAL"  # the groups the change touched, recomputed
+    assert (out.code("global_rank"), out.response("global_rank")["reason"]) == ("FULL", "UNSUPPORTED_WINDOW")
     for name, r in out.results.items():
         assert check_model(f"fnd.{name}", r.node.compiled_code) is None, name
 
