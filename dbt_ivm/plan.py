@@ -430,9 +430,17 @@ def _normalize_root(query: exp.Query, columns: list[str], catalog: Catalog) -> P
 
 
 def _has_aggregate(select: exp.Select) -> bool:
-    return any(
-        isinstance(n, exp.AggFunc) for e in select.expressions for n in e.find_all(exp.AggFunc)
-    )
+    """An aggregate call in the SELECT list that is not a window function."""
+    return any(not _windowed(n) for e in select.expressions for n in e.find_all(exp.AggFunc))
+
+
+def _windowed(node: exp.Expression) -> bool:
+    """``node`` is (inside) a window function's call: OVER applies to it."""
+    while node is not None and not isinstance(node, (exp.Select, exp.Subquery)):
+        if isinstance(node, exp.Window):
+            return True
+        node = node.parent
+    return False
 
 
 _AGG_FUNCS = {exp.Count: "count", exp.Sum: "sum", exp.Avg: "avg", exp.Min: "min", exp.Max: "max"}
@@ -443,7 +451,7 @@ def _aggregate_plan(query: exp.Select, columns: list[str], catalog: Catalog, cte
     keys = [k.copy() for k in group.expressions] if group else []
     aggregates: list[Aggregate] = []
     seen: dict[str, Aggregate] = {}
-    for call in (n for e in query.expressions for n in e.find_all(exp.AggFunc)):
+    for call in (n for e in query.expressions for n in e.find_all(exp.AggFunc) if not _windowed(n)):
         func = _AGG_FUNCS[type(call)]
         if func == "count" and isinstance(call.this, exp.Star):
             func = "count_star"

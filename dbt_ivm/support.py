@@ -164,6 +164,8 @@ def root_decomposable(select: exp.Select) -> bool:
     group = select.args.get("group")
     if select.args.get("having") or select.args.get("distinct"):
         return False
+    if any(e.find(exp.Window) for e in select.expressions):
+        return False
     for agg in (n for e in select.expressions for n in e.find_all(exp.AggFunc)):
         if not isinstance(agg, _MAINTAINED_AGGREGATES) or agg.find(exp.Distinct):
             return False
