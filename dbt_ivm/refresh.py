@@ -539,7 +539,8 @@ def measured_costs(history: list[tuple]) -> dict:
     """What the newest rebuild and the newest incremental refresh among these
     commits (DESCRIBE HISTORY rows, newest first) cost: the time from the
     refresh's start (its watermark's ``started``) to its commit. ``full``:
-    seconds; ``incremental``: (seconds, changed rows applied).
+    seconds; ``incremental``: (seconds, changed rows applied); ``rebuilt``:
+    the cost rule's rebuilds (REBUILD_CHEAPER) newer than that incremental one.
 
     >>> import datetime as d
     >>> t0 = d.datetime(2026, 1, 1, 12, 0, 0)
@@ -548,11 +549,13 @@ def measured_costs(history: list[tuple]) -> dict:
     >>> rows = [(2, t0 + d.timedelta(seconds=4), *[None] * 11, wm("INCREMENTAL", 50)),
     ...         (1, t0 + d.timedelta(seconds=3), *[None] * 11, wm("FULL"))]
     >>> measured_costs(rows)
-    {'incremental': (4.0, 50), 'full': 3.0}
+    {'rebuilt': 0, 'incremental': (4.0, 50), 'full': 3.0}
     """
-    out: dict = {}
+    out: dict = {"rebuilt": 0}
     for row in history:
         wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+        if wm is not None and "incremental" not in out and wm.reason == "REBUILD_CHEAPER":
+            out["rebuilt"] += 1
         end = _epoch(row[1])
         if wm is None or wm.started is None or end is None or not 0 <= end - wm.started < 86400:
             continue
@@ -563,6 +566,12 @@ def measured_costs(history: list[tuple]) -> dict:
             out["incremental"] = (seconds, int(wm.changes or 0))
     return out
 
+
+# After this many rebuilds in a row chosen by the cost rule, the next refresh
+# is incremental again, to measure it anew: a single slow incremental refresh
+# (a first MERGE into a new state, a cold JVM, a one-off compaction) must not
+# make every later refresh a rebuild.
+RETRY_AFTER = 3
 
 # An incremental refresh's cost before one was measured: on a 2-core machine a
 # Delta MERGE of a handful of rows with its delta query costs 2–5 s, on a
@@ -575,7 +584,8 @@ def cheaper_to_rebuild(costs: dict, changes: int) -> Optional[Reason]:
     newest rebuild cost less than this incremental refresh is estimated to.
     The estimate is the newest incremental refresh's cost, grown with the
     change (half of it taken as fixed cost), or INCREMENTAL_PRIOR_S when none
-    was measured. Without a measured rebuild, no opinion.
+    was measured. Without a measured rebuild, no opinion; after RETRY_AFTER of
+    its rebuilds in a row, none either (the next refresh measures anew).
 
     >>> cheaper_to_rebuild({"full": 1.5}, 10).code
     'REBUILD_CHEAPER'
@@ -583,9 +593,11 @@ def cheaper_to_rebuild(costs: dict, changes: int) -> Optional[Reason]:
     True
     >>> cheaper_to_rebuild({"full": 30.0, "incremental": (3.0, 1000)}, 100000).code
     'REBUILD_CHEAPER'
+    >>> cheaper_to_rebuild({"full": 1.5, "rebuilt": RETRY_AFTER}, 10) is None  # measure again
+    True
     """
     full = costs.get("full")
-    if full is None:
+    if full is None or costs.get("rebuilt", 0) >= RETRY_AFTER:
         return None
     if costs.get("incremental"):
         seconds, before = costs["incremental"]
