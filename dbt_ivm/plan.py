@@ -700,6 +700,11 @@ def _table_node(table: exp.Table, catalog: Catalog, ctes: dict) -> Node:
 
 
 def _flatten_union(union: exp.Union, catalog: Catalog, ctes: dict) -> list[Node]:
+    widths = {len(side.named_selects) for side in (union.left, union.right) if isinstance(side, exp.Query)}
+    if len(widths) > 1:  # Spark refuses it (NUM_COLUMNS_MISMATCH); a rebuild shows its error
+        raise UnsupportedQuery([Reason(
+            "UNRESOLVED_QUERY", f"the arms of a UNION ALL have {' and '.join(map(str, sorted(widths)))} columns",
+            "the model is refreshed by full rebuilds, where Spark reports the mismatch")])
     arms: list[Node] = []
     for side in (union.left, union.right):
         node = _node(side, catalog, ctes)
