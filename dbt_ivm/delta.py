@@ -23,6 +23,7 @@ Aggregation, DISTINCT and bag consolidation sit at the root: ``dbt_ivm.apply``.
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -78,13 +79,45 @@ def snapshot(node: Node, window: Window, side: str) -> exp.Query:
 
 def delta(node: Node, window: Window) -> Optional[exp.Query]:
     """The node's change between the old and new versions, or None if no source
-    under it changed."""
+    under it changed. Relations an affected-key recompute reads more than once
+    (its inputs' deltas, their touched keys, the inputs' rows for those keys)
+    are named once in a WITH clause at the top: the statement stays linear in
+    the plan's size instead of growing with each nested recompute. (Spark
+    inlines deterministic CTEs, so each reference is still computed on its own;
+    computing them once would take cached views before the write.)"""
+    if _CTES.get() is not None:  # inside an outer delta(): its WITH collects ours
+        return _delta(node, window)
+    ctes: list = []
+    token = _CTES.set(ctes)
+    try:
+        out = _delta(node, window)
+    finally:
+        _CTES.reset(token)
+    if out is not None and ctes:
+        out = exp.select("*").from_(_aliased(out, f"{PREFIX}q")) if isinstance(out, exp.SetOperation) else out
+        for name, query in ctes:
+            out = out.with_(exp.to_identifier(name, quoted=True), as_=query, copy=False)
+    return out
+
+
+_CTES: contextvars.ContextVar = contextvars.ContextVar("dbt_ivm_delta_ctes", default=None)
+
+
+def _shared(query: exp.Query, kind: str) -> exp.Select:
+    """``query`` named in the enclosing delta's WITH clause; a SELECT of it."""
+    ctes = _CTES.get()
+    name = f"{PREFIX}{kind}{len(ctes)}"
+    ctes.append((name, query))
+    return exp.select("*").from_(exp.Table(this=exp.to_identifier(name, quoted=True)))
+
+
+def _delta(node: Node, window: Window) -> Optional[exp.Query]:
     if isinstance(node, Scan):
         return _scan_delta(node.source, window) if window.changed(node.source) else None
     if isinstance(node, Block):
         return _block_delta(node, window)
     if isinstance(node, UnionAll):
-        parts = [d for d in (delta(arm, window) for arm in node.arms) if d is not None]
+        parts = [d for d in (_delta(arm, window) for arm in node.arms) if d is not None]
         return _union(parts) if parts else None
     if isinstance(node, Keyed):
         return _keyed_delta(node, window)
@@ -173,7 +206,7 @@ def _block_delta(block: Block, window: Window) -> Optional[exp.Query]:
     2^|C| − 1 terms would outgrow the telescoping form's |C|, which reads old
     snapshots instead."""
     children = [child for _, child in block.items]
-    deltas = [delta(child, window) for child in children]
+    deltas = [_delta(child, window) for child in children]
     changed_at = [i for i, d in enumerate(deltas) if d is not None]
     if not changed_at:
         return None
@@ -239,20 +272,21 @@ def _keyed_delta(node: Keyed, window: Window) -> Optional[exp.Query]:
     times), so outer joins, semi joins, aggregates and windows keep their SQL
     meaning; each of its rows weighs 1. A key changed by an update is in K
     with its old and its new value (the delta holds both images)."""
-    deltas = [delta(child, window) for _, child in node.items]
+    deltas = [_delta(child, window) for _, child in node.items]
     if all(d is None for d in deltas):
         return None
+    deltas = [None if d is None else _shared(d, "d") for d in deltas]
     parts = []
     for (alias, _), d, keys in zip(node.items, deltas, node.keys):
         if d is not None:
             parts.append(exp.select(*(exp.alias_(k.copy(), f"{PREFIX}k{i}", quoted=True) for i, k in enumerate(keys)))
                          .from_(_aliased(d.copy(), alias)))
-    affected = exp.select("*").from_(_aliased(_union(parts), f"{PREFIX}kd")).distinct()
+    affected = _shared(exp.select("*").from_(_aliased(_union(parts), f"{PREFIX}kd")).distinct(), "k")
     new_rels, old_rels = [], []
     for (alias, child), d, keys in zip(node.items, deltas, node.keys):
         snap = snapshot(child, window, NEW)
         cols = _columns_of(snap)
-        new = _restricted(snap, alias, keys, affected, window)
+        new = _shared(_restricted(snap, alias, keys, affected, window), "r")
         new_rels.append(new if unit(child) else _units(new, cols))
         if d is None:  # unchanged: its old rows are its new rows
             old_rels.append(new_rels[-1].copy())
