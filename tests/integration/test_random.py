@@ -171,6 +171,32 @@ MODELS: dict[str, tuple[str, tuple, tuple]] = {
         inner join {{ source('rnd', 't_c') }} c on b.jk2 = c.jk2
         group by b.jk2, c.cat
     """, ("t_a", "t_b", "t_c"), ()),
+    # affected-key recompute (plan.Keyed): an outer join with a residual
+    # condition, EXISTS / NOT EXISTS, the latest row per key, HAVING over a
+    # non-decomposable aggregate
+    "k1_left_join": (f"""
+        select a.id, a.grp, b.jk2, b.w
+        from {src('t_a')} a
+        left join {src('t_b')} b on a.jk = b.jk and b.w > 0
+    """, ("t_a", "t_b"), ()),
+    "k2_semi_anti": (f"""
+        select a.id, a.v
+        from {src('t_a')} a
+        where exists (select 1 from {src('t_b')} b where b.jk = a.jk and b.w is not null)
+          and not exists (select 1 from {src('t_c')} c where c.jk2 = a.grp and c.x > a.v)
+    """, ("t_a", "t_b", "t_c"), ()),
+    "k3_latest": (f"""
+        select x.grp, x.id, x.v
+        from (select grp, id, v, row_number() over (partition by grp order by v desc, id) as rn
+              from {src('t_a')}) x
+        where x.rn = 1
+    """, ("t_a",), ()),
+    "k4_having": (f"""
+        select jk, count(distinct v) as dv, sum(v) as s
+        from {src('t_a')}
+        group by jk
+        having count(*) > 2
+    """, ("t_a",), ()),
     "m7_chain": ("""
         select mx, count(*) as groups, sum(n) as rows_total, sum(s) as s_total, min(mn) as mn
         from {{ ref('m1_agg') }}
