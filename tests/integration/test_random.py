@@ -34,7 +34,7 @@ fails from a fresh build of the pre-round table contents.
 
 Environment:
 
-* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 25: 8 models per round, so 200 model
+* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 25: 12 models per round, so 300 model
   refreshes, each compared with a full recompute; each round is one `dbt run` plus the checks, tens of seconds
   on a 2-core machine). ``DBT_IVM_RANDOM_ROUNDS=2000`` for a long run.
 * ``DBT_IVM_RANDOM_SEED`` (default 20261121).
