@@ -37,7 +37,7 @@ def decorrelate(query: exp.Expression) -> None:
             continue
         kept = []
         for conj in _conjuncts(where.this):
-            join = _as_join(conj, select, f"{PREFIX}s{count}")
+            join = _as_join(conj, f"{PREFIX}s{count}")
             if join is None:
                 kept.append(conj)
                 continue
@@ -51,7 +51,7 @@ def _conjuncts(cond: exp.Expression) -> list[exp.Expression]:
     return list(cond.flatten()) if isinstance(cond, exp.And) else [cond]
 
 
-def _as_join(conj: exp.Expression, outer: exp.Select, alias: str) -> Optional[exp.Join]:
+def _as_join(conj: exp.Expression, alias: str) -> Optional[exp.Join]:
     negated = isinstance(conj, exp.Not)
     pred = conj.this if negated else conj
     if isinstance(pred, exp.Paren):
@@ -77,35 +77,28 @@ def _as_join(conj: exp.Expression, outer: exp.Select, alias: str) -> Optional[ex
         return None  # an outer column outside WHERE (select list, GROUP BY ...): not a plain filter
     aggregates = sub.args.get("group") or sub.args.get("having") or any(
         e.find(exp.AggFunc) for e in sub.expressions)
-    if correlated and (aggregates or sub.args.get("limit") or sub.args.get("offset")):
+    if (correlated and aggregates) or sub.args.get("limit") or sub.args.get("offset"):
         return None
-    if sub.args.get("limit") or sub.args.get("offset"):
-        return None
-    # the subquery's columns the join condition reads, projected under new names
-    lifted: dict[str, str] = {}
-
-    def lift(e: exp.Expression) -> exp.Expression:
-        name = lifted.setdefault(e.sql("spark"), f"{PREFIX}e{len(lifted)}")
-        return exp.column(name, table=alias, quoted=True)
-
+    # the subquery's columns the join condition reads, projected as __ivm_e<n>
     conds = []
     projections: list[exp.Expression] = []
+    names: dict[str, str] = {}  # a lifted column's SQL -> its projection's name
+
+    def lift(e: exp.Expression, key: str) -> exp.Column:
+        if key not in names:
+            names[key] = f"{PREFIX}e{len(projections)}"
+            projections.append(exp.alias_(e.copy(), names[key], quoted=True))
+        return exp.column(names[key], table=alias, quoted=True)
+
     if probe is not None:
         if len(sub.expressions) != 1:
             return None
-        conds.append(exp.EQ(this=probe.copy(), expression=exp.column(f"{PREFIX}e0", table=alias, quoted=True)))
-        projections.append(exp.alias_(sub.expressions[0].unalias().copy(), f"{PREFIX}e0", quoted=True))
-        lifted["\0probe"] = f"{PREFIX}e0"
+        conds.append(exp.EQ(this=probe.copy(), expression=lift(sub.expressions[0].unalias(), "\0probe")))
     for c in correlated:
         c = c.copy()
         for col in list(c.find_all(exp.Column)):
             if col.table in inner:
-                key = col.sql("spark")
-                fresh = key not in lifted
-                ref = lift(col)
-                if fresh:
-                    projections.append(exp.alias_(col.copy(), ref.name, quoted=True))
-                col.replace(ref)
+                col.replace(lift(col, col.sql("spark")))
         conds.append(c)
     if not conds:
         conds.append(exp.true())  # uncorrelated EXISTS: every row or none (no key: refused later)
