@@ -23,6 +23,7 @@ Aggregation, DISTINCT and bag consolidation sit at the root: ``dbt_ivm.apply``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import dataclass, field
 from typing import Optional
@@ -80,33 +81,60 @@ def snapshot(node: Node, window: Window, side: str) -> exp.Query:
 def delta(node: Node, window: Window) -> Optional[exp.Query]:
     """The node's change between the old and new versions, or None if no source
     under it changed. Relations an affected-key recompute reads more than once
-    (its inputs' deltas, their touched keys, the inputs' rows for those keys)
-    are named once in a WITH clause at the top: the statement stays linear in
-    the plan's size instead of growing with each nested recompute. (Spark
-    inlines deterministic CTEs, so each reference is still computed on its own;
-    computing them once would take cached views before the write.)"""
-    if _CTES.get() is not None:  # inside an outer delta(): its WITH collects ours
+    (its inputs' deltas, their touched keys, the inputs' rows for them) are
+    shared pieces: inside ``materialized()`` they are handed to the caller,
+    which caches each one as a view before running the statement (Spark then
+    plans and computes each once); otherwise they are named once in a WITH
+    clause at the top (the statement stays linear in the plan's size, but
+    Spark inlines deterministic CTEs, so each reference is planned and run on
+    its own)."""
+    if _CTES.get() is not None:  # inside an outer delta(): its pieces collect ours
         return _delta(node, window)
-    ctes: list = []
+    sink = _SINK.get()
+    ctes: list = sink.items if sink is not None else []
     token = _CTES.set(ctes)
     try:
         out = _delta(node, window)
     finally:
         _CTES.reset(token)
-    if out is not None and ctes:
+    if out is not None and ctes and sink is None:
         out = exp.select("*").from_(_aliased(out, f"{PREFIX}q")) if isinstance(out, exp.SetOperation) else out
         for name, query in ctes:
             out = out.with_(exp.to_identifier(name, quoted=True), as_=query, copy=False)
     return out
 
 
+@dataclass
+class Pieces:
+    """The shared pieces of the delta statements built inside ``materialized``:
+    (view name, query) in dependency order; ``tag`` makes the names unique."""
+
+    tag: str
+    items: list = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def materialized(tag: str):
+    """Within: delta() hands its shared pieces to the yielded Pieces instead of
+    a WITH clause; the statements refer to them by view name, so the caller
+    must create those views (CACHE TABLE name AS query) before running them."""
+    pieces = Pieces(tag)
+    token = _SINK.set(pieces)
+    try:
+        yield pieces
+    finally:
+        _SINK.reset(token)
+
+
 _CTES: contextvars.ContextVar = contextvars.ContextVar("dbt_ivm_delta_ctes", default=None)
+_SINK: contextvars.ContextVar = contextvars.ContextVar("dbt_ivm_delta_sink", default=None)
 
 
 def _shared(query: exp.Query, kind: str) -> exp.Select:
-    """``query`` named in the enclosing delta's WITH clause; a SELECT of it."""
+    """``query`` as a shared piece of the enclosing delta; a SELECT of it."""
     ctes = _CTES.get()
-    name = f"{PREFIX}{kind}{len(ctes)}"
+    sink = _SINK.get()
+    name = f"{PREFIX}{kind}{len(ctes)}" + (f"_{sink.tag}" if sink is not None else "")
     ctes.append((name, query))
     return exp.select("*").from_(exp.Table(this=exp.to_identifier(name, quoted=True)))
 
@@ -276,12 +304,14 @@ def _keyed_delta(node: Keyed, window: Window) -> Optional[exp.Query]:
     if all(d is None for d in deltas):
         return None
     deltas = [None if d is None else _shared(d, "d") for d in deltas]
+    scalar = not any(node.keys)  # an aggregate without GROUP BY: one key, every row
     parts = []
     for (alias, _), d, keys in zip(node.items, deltas, node.keys):
-        if d is not None:
+        if d is not None and not scalar:
             parts.append(exp.select(*(exp.alias_(k.copy(), f"{PREFIX}k{i}", quoted=True) for i, k in enumerate(keys)))
                          .from_(_aliased(d.copy(), alias)))
-    affected = _shared(exp.select("*").from_(_aliased(_union(parts), f"{PREFIX}kd")).distinct(), "k")
+    affected = None if scalar else _shared(
+        exp.select("*").from_(_aliased(_union(parts), f"{PREFIX}kd")).distinct(), "k")
     new_rels, old_rels = [], []
     for (alias, child), d, keys in zip(node.items, deltas, node.keys):
         snap = snapshot(child, window, NEW)
@@ -295,7 +325,10 @@ def _keyed_delta(node: Keyed, window: Window) -> Optional[exp.Query]:
                           exp.alias_(exp.Neg(this=exp.column(W, quoted=True)), W, quoted=True)).from_(
             _aliased(_restricted(d.copy(), alias, keys, affected, window), f"{PREFIX}dd"))
         old_rels.append(_units(_consolidated(_union([new.copy(), gone]), cols), cols))
-    return _union([_render_keyed(node, new_rels), _render_keyed(node, old_rels, weight=-1)])
+    out = _union([_render_keyed(node, new_rels), _render_keyed(node, old_rels, weight=-1)])
+    if scalar:  # its one row: nothing when its value did not change (the rows reading it stay put)
+        return _consolidated(out, _columns_of(out), nonzero=True)
+    return out
 
 
 def _render_keyed(node: Keyed, relations: list[exp.Query], weight: int = 1) -> exp.Select:
@@ -322,7 +355,9 @@ def _columns_of(query: exp.Query) -> list[str]:
 
 def _restricted(rel: exp.Query, alias: str, keys: list, affected: exp.Query, window: Window) -> exp.Select:
     """The rows of ``rel`` (read as ``alias``) whose key is in ``affected``
-    (null-safe: a NULL key is a key like any other)."""
+    (null-safe: a NULL key is a key like any other); every row without keys."""
+    if not keys:
+        return rel
     ks = f"{PREFIX}ks"
     on = exp.and_(*(exp.NullSafeEQ(this=k.copy(), expression=exp.column(f"{PREFIX}k{i}", table=ks, quoted=True))
                     for i, k in enumerate(keys)))
@@ -333,13 +368,14 @@ def _restricted(rel: exp.Query, alias: str, keys: list, affected: exp.Query, win
     return out
 
 
-def _consolidated(rel: exp.Query, cols: list[str]) -> exp.Select:
+def _consolidated(rel: exp.Query, cols: list[str], nonzero: bool = False) -> exp.Select:
     """Rows summed by value: each distinct row once, weighing the sum of its
-    weights; rows summing to 0 dropped."""
+    weights; rows summing to 0 (``nonzero``) or less dropped."""
     listed = [exp.column(c, quoted=True) for c in cols]
     total = exp.Sum(this=exp.column(W, quoted=True))
+    keep = (exp.NEQ if nonzero else exp.GT)(this=total.copy(), expression=exp.Literal.number(0))
     return (exp.select(*listed, exp.alias_(total, W, quoted=True)).from_(_aliased(rel, f"{PREFIX}c"))
-            .group_by(*(c.copy() for c in listed)).having(exp.GT(this=total.copy(), expression=exp.Literal.number(0))))
+            .group_by(*(c.copy() for c in listed)).having(keep))
 
 
 def _units(rel: exp.Query, cols: Optional[list[str]] = None) -> exp.Select:

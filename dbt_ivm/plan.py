@@ -646,13 +646,9 @@ def _split_operator(query: exp.Select, catalog: Catalog, ctes: dict) -> Node:
             "UNSUPPORTED_WINDOW", "window functions over an aggregate in the same SELECT are not maintained",
             "the model is refreshed by full rebuilds; aggregate in a subquery and apply the window above it")])
     if group or _has_aggregate(op) or op.args.get("having"):
+        # no GROUP BY: one key value, every input row (the aggregate is
+        # recomputed whenever an input changes; its delta is empty when its value did not)
         keys = [k.copy() for k in group.expressions] if group else []
-        if not keys:
-            raise UnsupportedQuery([Reason(
-                "UNSUPPORTED_SCALAR_AGGREGATE",
-                "an aggregate without GROUP BY that is not kept from deltas alone (inside a subquery, CTE or "
-                "UNION arm, or with HAVING or a non-decomposable aggregate): its one row depends on every input row",
-                "the model is refreshed by full rebuilds; make it an incremental_mv of its own and read that")])
     elif op.args.get("distinct"):
         keys = [e.unalias().copy() for e in op.expressions]
     else:

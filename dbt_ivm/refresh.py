@@ -28,7 +28,7 @@ from dbt_ivm.catalog import DELTA, LAYERED, MV, OTHER, Catalog, Source
 from sqlglot import exp
 
 from dbt_ivm.config import APPEND, MERGE, validate_config
-from dbt_ivm.delta import Window, table_changes
+from dbt_ivm.delta import Window, materialized, table_changes
 from dbt_ivm.names import DIALECT, canonical, display, ident, namespace, parts, set_value, string, suffixed
 from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
 from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, build_plan, referenced_tables, signature
@@ -1155,6 +1155,26 @@ class Refresher:
 
     def _incremental(self, plan: Plan, sources, watermark: Watermark, result: Result,
                      broadcast: bool) -> None:
+        # The delta's shared pieces (an affected-key recompute's input deltas,
+        # touched keys and restricted inputs) become cached views of this
+        # session before the statement reading them runs, and are dropped after.
+        with materialized(self.run_id) as pieces:
+            self.pieces, self.cached_pieces = pieces, []
+            try:
+                self._incremental_statements(plan, sources, watermark, result, broadcast)
+            finally:
+                for name in reversed(self.cached_pieces):
+                    self.ex.query(f"DROP VIEW IF EXISTS {ident(name)}")
+
+    def _cache_pieces(self) -> None:
+        """CACHE TABLE each shared piece built since the last call, in order
+        (a piece reads the ones before it)."""
+        for name, query in self.pieces.items[len(self.cached_pieces):]:
+            self.ex.query(f"CACHE TABLE {ident(name)} AS {query.sql(dialect=DIALECT)}")
+            self.cached_pieces.append(name)
+
+    def _incremental_statements(self, plan: Plan, sources, watermark: Watermark, result: Result,
+                                broadcast: bool) -> None:
         old = watermark.versions()
         window = Window(old=old, new={s.physical: s.version for s in sources}, broadcast=broadcast)
         result.changed_sources = [s.name for s in sources if window.changed(s)]
@@ -1184,6 +1204,7 @@ class Refresher:
         views: list[str] = []
 
         def cached(name: str, query: str) -> str:
+            self._cache_pieces()
             view = f"{PREFIX}{name}_{self.run_id}"
             self.ex.query(f"CACHE TABLE {ident(view)} AS {query}")
             views.append(view)
@@ -1206,6 +1227,7 @@ class Refresher:
                              watermark.sums)
         if merge is None:
             return
+        self._cache_pieces()
         self._set_properties(watermark)
         # Our MERGE source is small but expensive (deltas joined with snapshots):
         # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
@@ -1236,6 +1258,7 @@ class Refresher:
         insert = apply.append_statement(plan, self.state, window, types)
         if insert is None:
             return
+        self._cache_pieces()
         self._set_properties(watermark)
         if watermark.layout != APPEND:
             # The folding view first: it reads a state without layers the same

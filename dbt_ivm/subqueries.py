@@ -1,4 +1,4 @@
-"""Subquery predicates as joins: ``EXISTS`` / ``NOT EXISTS`` / ``IN`` in a WHERE.
+"""Subqueries in expressions as joins, so the planner sees only relations.
 
 A conjunct of a WHERE clause that tests a subquery is the same as a semi
 (anti) join of the SELECT's relations with that subquery, on the subquery's
@@ -9,56 +9,130 @@ correlation conditions:
 * ``NOT EXISTS (…)`` → the same as a ``LEFT ANTI JOIN``;
 * ``x IN (SELECT y FROM … [correlated as above])`` → a semi join adding
   ``x = y`` to the conditions (the subquery may aggregate when it is not
-  correlated: TPC-H q18).
+  correlated: TPC-H q18);
+* ``x NOT IN (SELECT y …)`` (not correlated) → the anti join on ``x = y`` and
+  a cross join with the subquery's two global flags, ``count(*)`` and
+  ``count(y)``, kept as ``(n = 0 OR (nn = n AND x IS NOT NULL))`` in the WHERE:
+  one NULL among the ``y`` empties the result, an empty subquery keeps every
+  row, a NULL ``x`` passes only then (SQL's three-valued ``NOT IN``).
 
-The joins are then maintained like any other semi/anti join (plan.Keyed, on
-their equi-join keys). Left alone (the support walker names them): a
-predicate under OR or NOT of a compound, ``NOT IN`` (a NULL on either side
-makes it unknown for every row: no key bounds what a change affects), a
-correlated subquery that aggregates or limits, and scalar subqueries.
+A scalar subquery (one aggregate, no GROUP BY: always exactly one value) in
+the SELECT list, WHERE or HAVING becomes a join and a column:
+
+* not correlated → ``CROSS JOIN (SELECT <value> AS __ivm_e0 …) AS __ivm_s<n>``
+  (one row: the join multiplies nothing);
+* correlated on equalities ``inner = outer`` → ``LEFT JOIN (SELECT <value>,
+  inner keys … GROUP BY the inner keys) ON keys = outer``: at most one row per
+  outer row; where no inner row matches, SQL's value is the aggregate over no
+  rows — NULL, or 0 for COUNT, restored by a ``CASE`` on a marker column.
+
+In the SELECT list or HAVING of a grouped SELECT the new columns join its
+GROUP BY: the value is one per group (uncorrelated: one in all; correlated:
+its outer columns are group keys already), so the groups stay the same.
+
+The joins are then maintained like any other (plan.Keyed: semi/anti/outer
+joins on their equi-join keys, the scalar aggregate recomputed when its
+inputs change). Left alone (the support walker names them): a predicate under
+OR or NOT of a compound, a correlated ``NOT IN``, a correlated subquery that
+aggregates or limits in a predicate, a scalar subquery that is not one
+aggregate without GROUP BY, correlated other than by equalities, or in the
+SELECT list of an aggregate without GROUP BY.
 Pure: a qualified sqlglot tree in, the same tree rewritten in place.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from sqlglot import exp
 
 PREFIX = "__ivm_"
 
+# Aggregates whose value over no rows is 0 (every other maintained one: NULL).
+_ZERO_ON_EMPTY = (exp.Count, exp.CountIf, exp.ApproxDistinct)
+_NULL_ON_EMPTY = (exp.Sum, exp.Avg, exp.Min, exp.Max, exp.Stddev, exp.StddevPop, exp.StddevSamp,
+                  exp.Variance, exp.VariancePop, exp.ArgMax, exp.ArgMin, exp.AnyValue, exp.Quantile,
+                  exp.LogicalAnd, exp.LogicalOr, exp.Median, exp.PercentileCont, exp.PercentileDisc)
+
 
 def decorrelate(query: exp.Expression) -> None:
-    """Rewrite every rewritable subquery predicate of ``query`` in place."""
-    count = 0
-    for select in reversed(list(query.find_all(exp.Select))):  # innermost first
-        where = select.args.get("where")
-        if where is None or not select.args.get("from_"):
+    """Rewrite every rewritable subquery of ``query`` in place, innermost first."""
+    count = [0]
+
+    def fresh() -> str:
+        count[0] += 1
+        return f"{PREFIX}s{count[0] - 1}"
+
+    for select in reversed(list(query.find_all(exp.Select))):
+        if not select.args.get("from_"):
             continue
-        kept = []
-        for conj in _conjuncts(where.this):
-            join = _as_join(conj, f"{PREFIX}s{count}")
-            if join is None:
-                kept.append(conj)
-                continue
-            count += 1
-            select.append("joins", join)
-        if len(kept) != len(_conjuncts(where.this)):
-            select.set("where", exp.Where(this=exp.and_(*kept)) if kept else None)
+        _predicates(select, fresh)
+        _scalars(select, fresh)
 
 
 def _conjuncts(cond: exp.Expression) -> list[exp.Expression]:
     return list(cond.flatten()) if isinstance(cond, exp.And) else [cond]
 
 
-def _as_join(conj: exp.Expression, alias: str) -> Optional[exp.Join]:
+def _aliased(query: exp.Query, alias: str) -> exp.Subquery:
+    return exp.Subquery(this=query, alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True)))
+
+
+def _col(name: str, table: str) -> exp.Column:
+    return exp.column(name, table=table, quoted=True)
+
+
+def _relations(select: exp.Select) -> set[str]:
+    return {r.alias_or_name for r in [select.args["from_"].this] + [j.this for j in select.args.get("joins") or []]}
+
+
+def _split_where(sub: exp.Select, inner: set) -> tuple[list, list]:
+    """The subquery's WHERE conjuncts: (local, correlated — reading a column of
+    a relation outside the subquery)."""
+    where = sub.args.get("where")
+    local, correlated = [], []
+    for c in _conjuncts(where.this) if where is not None else []:
+        outside = [col for col in c.find_all(exp.Column) if col.table and col.table not in inner]
+        (correlated if outside else local).append(c)
+    return local, correlated
+
+
+def _own_columns(select: exp.Select) -> list[exp.Column]:
+    parts = [*select.expressions] + [select.args.get(k) for k in ("group", "having")]
+    return [c for p in parts if p is not None for c in p.find_all(exp.Column)]
+
+
+# --------------------------------------------------------------------------- WHERE predicates
+
+
+def _predicates(select: exp.Select, fresh: Callable[[], str]) -> None:
+    where = select.args.get("where")
+    if where is None:
+        return
+    kept, changed = [], False
+    for conj in _conjuncts(where.this):
+        rewritten = _as_joins(conj, fresh)
+        if rewritten is None:
+            kept.append(conj)
+            continue
+        joins, residual = rewritten
+        changed = True
+        for join in joins:
+            select.append("joins", join)
+        if residual is not None:
+            kept.append(residual)
+    if changed:
+        select.set("where", exp.Where(this=exp.and_(*kept)) if kept else None)
+
+
+def _as_joins(conj: exp.Expression, fresh) -> Optional[tuple[list[exp.Join], Optional[exp.Expression]]]:
     negated = isinstance(conj, exp.Not)
     pred = conj.this if negated else conj
     if isinstance(pred, exp.Paren):
         pred = pred.this
     if isinstance(pred, exp.Exists):
         sub, probe = pred.this, None
-    elif isinstance(pred, exp.In) and isinstance(pred.args.get("query"), exp.Subquery) and not negated:
+    elif isinstance(pred, exp.In) and isinstance(pred.args.get("query"), exp.Subquery):
         sub, probe = pred.args["query"].this, pred.this
     else:
         return None
@@ -66,20 +140,20 @@ def _as_join(conj: exp.Expression, alias: str) -> Optional[exp.Join]:
         sub = sub.this
     if not isinstance(sub, exp.Select) or not sub.args.get("from_"):
         return None
-    inner = {r.alias_or_name for r in [sub.args["from_"].this] + [j.this for j in sub.args.get("joins") or []]}
+    inner = _relations(sub)
     sub = sub.copy()
-    where = sub.args.get("where")
-    local, correlated = [], []
-    for c in _conjuncts(where.this) if where is not None else []:
-        outside = [col for col in c.find_all(exp.Column) if col.table and col.table not in inner]
-        (correlated if outside else local).append(c)
+    local, correlated = _split_where(sub, inner)
     if any(col.table and col.table not in inner for col in _own_columns(sub)):
         return None  # an outer column outside WHERE (select list, GROUP BY ...): not a plain filter
     aggregates = sub.args.get("group") or sub.args.get("having") or any(
         e.find(exp.AggFunc) for e in sub.expressions)
     if (correlated and aggregates) or sub.args.get("limit") or sub.args.get("offset"):
         return None
-    # the subquery's columns the join condition reads, projected as __ivm_e<n>
+    if probe is not None and (len(sub.expressions) != 1 or isinstance(probe, exp.Tuple)):
+        return None
+    if negated and probe is not None and correlated:
+        return None  # a correlated NOT IN: its flags would be per outer row
+    alias = fresh()
     conds = []
     projections: list[exp.Expression] = []
     names: dict[str, str] = {}  # a lifted column's SQL -> its projection's name
@@ -88,11 +162,9 @@ def _as_join(conj: exp.Expression, alias: str) -> Optional[exp.Join]:
         if key not in names:
             names[key] = f"{PREFIX}e{len(projections)}"
             projections.append(exp.alias_(e.copy(), names[key], quoted=True))
-        return exp.column(names[key], table=alias, quoted=True)
+        return _col(names[key], alias)
 
     if probe is not None:
-        if len(sub.expressions) != 1:
-            return None
         conds.append(exp.EQ(this=probe.copy(), expression=lift(sub.expressions[0].unalias(), "\0probe")))
     for c in correlated:
         c = c.copy()
@@ -109,10 +181,165 @@ def _as_join(conj: exp.Expression, alias: str) -> Optional[exp.Join]:
     sub.set("where", exp.Where(this=exp.and_(*local)) if local else None)
     if aggregates:  # uncorrelated IN over an aggregate: the subquery as written, its one column renamed
         sub.set("expressions", [projections[0]])
-    return exp.Join(this=exp.Subquery(this=sub, alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True))),
-                    side="LEFT", kind="ANTI" if negated else "SEMI", on=exp.and_(*conds))
+    kind = "ANTI" if negated else "SEMI"
+    joins = [exp.Join(this=_aliased(sub, alias), side="LEFT", kind=kind, on=exp.and_(*conds))]
+    if not (negated and probe is not None):
+        return joins, None
+    # NOT IN: the anti join, and the subquery's flags (rows, non-NULL values) as one cross-joined row
+    flags = fresh()
+    value = _col(f"{PREFIX}e0", f"{PREFIX}q")
+    joins.append(exp.Join(this=_aliased(exp.select(
+        exp.alias_(exp.Count(this=exp.Star()), f"{PREFIX}e0", quoted=True),
+        exp.alias_(exp.Count(this=value), f"{PREFIX}e1", quoted=True)).from_(
+        _aliased(sub.copy(), f"{PREFIX}q")), flags), kind="CROSS"))
+    n, nn = _col(f"{PREFIX}e0", flags), _col(f"{PREFIX}e1", flags)
+    residual = exp.or_(exp.EQ(this=n, expression=exp.Literal.number(0)),
+                       exp.and_(exp.EQ(this=nn, expression=n.copy()),
+                                exp.Not(this=exp.Is(this=probe.copy(), expression=exp.Null()))))
+    return joins, exp.Paren(this=residual)
 
 
-def _own_columns(select: exp.Select) -> list[exp.Column]:
-    parts = [*select.expressions] + [select.args.get(k) for k in ("group", "having")]
-    return [c for p in parts if p is not None for c in p.find_all(exp.Column)]
+# --------------------------------------------------------------------------- scalar subqueries
+
+
+def _scalars(select: exp.Select, fresh: Callable[[], str]) -> None:
+    for sub in list(select.find_all(exp.Subquery)):
+        clause, in_aggregate = _position(sub, select)
+        if clause is None:
+            continue
+        grouped = select.args.get("group") is not None
+        if clause != "where" and not in_aggregate and not grouped and _aggregates(select):
+            continue  # beside an aggregate without GROUP BY: a GROUP BY would drop its row over no input
+        rewritten = _scalar_join(sub, select, fresh)
+        if rewritten is None:
+            continue
+        join, value, columns = rewritten
+        select.append("joins", join)
+        sub.replace(value)
+        if clause != "where" and not in_aggregate and grouped:
+            for c in columns:
+                select.args["group"].append("expressions", c)
+
+
+def _position(sub: exp.Subquery, select: exp.Select) -> tuple[Optional[str], bool]:
+    """Where a scalar subquery of ``select`` itself sits: "expressions",
+    "where" or "having" (None for a relation, a predicate's subquery, another
+    clause or a nested SELECT's subquery), and whether inside an aggregate."""
+    node, in_aggregate = sub, False
+    while node.parent is not select:
+        parent = node.parent
+        if parent is None or isinstance(parent, (exp.Select, exp.From, exp.Join, exp.Union, exp.Exists,
+                                                 exp.Window, exp.CTE)):
+            return None, False
+        if isinstance(parent, exp.In) and node.arg_key == "query":
+            return None, False
+        if isinstance(parent, exp.Subquery) and node is sub.this:
+            return None, False
+        in_aggregate = in_aggregate or isinstance(parent, exp.AggFunc)
+        node = parent
+    key = node.arg_key
+    return (key if key in ("expressions", "where", "having") else None), in_aggregate
+
+
+def _aggregates(select: exp.Select) -> bool:
+    """``select`` itself aggregates (an aggregate of its own, not a window's or a subquery's)."""
+    for e in select.expressions:
+        for agg in e.find_all(exp.AggFunc):
+            node = agg.parent
+            while node is not None and node is not select and not isinstance(node, (exp.Window, exp.Subquery)):
+                node = node.parent
+            if node is select:
+                return True
+    return False
+
+
+def _scalar_join(sub: exp.Subquery, select: exp.Select, fresh) -> Optional[tuple[exp.Join, exp.Expression, list]]:
+    """(the join, the expression replacing the subquery, the columns it adds),
+    or None when the subquery is not one aggregate value."""
+    query = sub.this
+    while isinstance(query, exp.Subquery):
+        query = query.this
+    if not isinstance(query, exp.Select) or not query.args.get("from_") or len(query.expressions) != 1:
+        return None
+    if any(query.args.get(k) for k in ("group", "having", "limit", "offset", "distinct", "qualify")):
+        return None
+    if not _aggregates(query) or query.find(exp.Window):
+        return None
+    inner, outer = _relations(query), _relations(select)
+    query = query.copy()
+    local, correlated = _split_where(query, inner)
+    if any(col.table and col.table not in inner for col in _own_columns(query)):
+        return None
+    value = query.expressions[0].unalias()
+    alias = fresh()
+    result = _col(f"{PREFIX}e0", alias)
+    if not correlated:
+        query.set("expressions", [exp.alias_(value, f"{PREFIX}e0", quoted=True)])
+        return exp.Join(this=_aliased(query, alias), kind="CROSS"), result, [result.copy()]
+    pairs = []
+    for c in correlated:
+        sides = [_side(e, inner, outer) for e in (c.this, c.expression)] if isinstance(c, exp.EQ) else [None]
+        if sides == ["inner", "outer"]:
+            pairs.append((c.this, c.expression))
+        elif sides == ["outer", "inner"]:
+            pairs.append((c.expression, c.this))
+        else:
+            return None  # correlated other than by an equality of an inner and an outer expression
+    empty = _over_no_rows(value)
+    if empty is None:
+        return None
+    keys = [exp.alias_(i.copy(), f"{PREFIX}e{n + 1}", quoted=True) for n, (i, _) in enumerate(pairs)]
+    marker = f"{PREFIX}e{len(pairs) + 1}"
+    projections = [exp.alias_(value, f"{PREFIX}e0", quoted=True), *keys]
+    if not isinstance(empty, exp.Null):
+        projections.append(exp.alias_(exp.true(), marker, quoted=True))
+    query.set("expressions", projections)
+    query.set("where", exp.Where(this=exp.and_(*local)) if local else None)
+    query.set("group", exp.Group(expressions=[i.copy() for i, _ in pairs]))
+    on = exp.and_(*(exp.EQ(this=_col(f"{PREFIX}e{n + 1}", alias), expression=o.copy())
+                    for n, (_, o) in enumerate(pairs)))
+    join = exp.Join(this=_aliased(query, alias), side="LEFT", on=on)
+    if isinstance(empty, exp.Null):
+        return join, result, [result.copy()]
+    found = _col(marker, alias)
+    value_or_empty = exp.Case(ifs=[exp.If(this=exp.Is(this=found, expression=exp.Null()), true=empty)],
+                              default=result)
+    return join, value_or_empty, [result.copy(), found.copy()]
+
+
+def _side(e: exp.Expression, inner: set, outer: set) -> Optional[str]:
+    tables = {c.table for c in e.find_all(exp.Column)}
+    if not tables or "" in tables or e.find(exp.Subquery, exp.AggFunc):
+        return None
+    if tables <= inner:
+        return "inner"
+    if tables <= outer:
+        return "outer"
+    return None
+
+
+def _over_no_rows(value: exp.Expression) -> Optional[exp.Expression]:
+    """``value`` (an expression over aggregates) evaluated over no rows: NULL
+    when a NULL aggregate makes it NULL (``0.2 * avg(x)``), else the value
+    with its aggregates replaced by 0 (COUNT) or NULL; None for an aggregate
+    whose value over no rows is not known here."""
+    if any(not isinstance(a, _ZERO_ON_EMPTY + _NULL_ON_EMPTY) for a in value.find_all(exp.AggFunc)):
+        return None
+    if _null_over_no_rows(value):
+        return exp.Null()
+    def empty(node: exp.Expression) -> exp.Expression:
+        if isinstance(node, exp.AggFunc):
+            return exp.Literal.number(0) if isinstance(node, _ZERO_ON_EMPTY) else exp.Null()
+        return node
+
+    return value.copy().transform(empty)
+
+
+def _null_over_no_rows(e: exp.Expression) -> bool:
+    if isinstance(e, _NULL_ON_EMPTY):
+        return True
+    if isinstance(e, (exp.Add, exp.Sub, exp.Mul, exp.Div)):
+        return _null_over_no_rows(e.this) or _null_over_no_rows(e.expression)
+    if isinstance(e, (exp.Paren, exp.Neg, exp.Cast)):
+        return _null_over_no_rows(e.this)
+    return False
