@@ -210,3 +210,61 @@ def test_subquery_predicates_become_semi_and_anti_joins():
         kinds.append(node.select.args["joins"][0].kind)
         node = node.items[0][1]
     assert kinds == ["ANTI", "SEMI"]  # the last conjunct is the outermost join
+
+
+def test_not_in_is_an_anti_join_with_the_subquery_flags():
+    """x NOT IN (S): the anti join on x = y, and S's row count and non-NULL
+    count cross-joined as one row, kept as (n = 0 OR (nn = n AND x IS NOT NULL))."""
+    plan = build_plan("select a.i from db.a a where a.i not in (select b.k from db.b b where b.i > 1)", CATALOG)
+    text = plan.query.sql("spark")
+    assert "LEFT ANTI JOIN" in text and "CROSS JOIN (SELECT COUNT(*) AS `__ivm_e0`, COUNT(" in text
+    assert "= 0 OR (" in text and "IS NULL" in text and "NOT IN" not in text.upper().replace("NOT INSERT", "")
+
+
+def test_correlated_scalar_subquery_is_a_left_join_to_its_groups():
+    plan = build_plan("select a.i from db.a a where a.j >= (select count(*) from db.b b where b.i = a.i)", CATALOG)
+    text = plan.query.sql("spark")
+    assert "LEFT JOIN (SELECT COUNT(*) AS `__ivm_e0`, `b`.`i` AS `__ivm_e1`, TRUE AS `__ivm_e2`" in text
+    assert "GROUP BY `b`.`i`" in text
+    # a part without rows compares with COUNT over no rows: 0, not NULL
+    assert "CASE WHEN `__ivm_s0`.`__ivm_e2` IS NULL THEN 0 ELSE `__ivm_s0`.`__ivm_e0` END" in text
+    avg = build_plan("select a.i from db.a a where a.j < (select 0.5 * avg(b.k) from db.b b where b.i = a.i)",
+                     CATALOG).query.sql("spark")
+    assert "CASE" not in avg  # NULL over no rows: what the LEFT JOIN gives
+
+
+def test_scalar_subquery_in_having_joins_the_group_by():
+    plan = build_plan("select a.i, sum(a.d) as s from db.a a group by a.i "
+                      "having sum(a.d) > (select sum(b.k) from db.b b)", CATALOG)
+    text = plan.query.sql("spark")
+    assert "CROSS JOIN (SELECT SUM(`b`.`k`) AS `__ivm_e0`" in text
+    assert "GROUP BY `a`.`i`, `__ivm_s0`.`__ivm_e0`" in text
+
+
+def test_scalar_aggregate_delta_is_empty_when_its_value_holds():
+    """The one-row aggregate's delta is consolidated (HAVING SUM(w) <> 0): an
+    unchanged value cancels, so the rows reading it are not recomputed."""
+    from dbt_ivm.delta import Window, delta
+
+    plan = build_plan("select a.i from db.a a where a.j > (select avg(b.k) from db.b b)", VERSIONED)
+    d = delta(plan.input, Window(old={"db.a": 3, "db.b": 5}, new={"db.a": 3, "db.b": 6})).sql("spark")
+    assert "HAVING SUM(`__ivm_w`) <> 0" in d
+    assert "VERSION AS OF 5" not in d and "TABLE_CHANGES('`db`.`b`', 6, 6)" in d
+
+
+def test_materialized_pieces_are_named_views_not_ctes():
+    from dbt_ivm.delta import Window, delta, materialized
+
+    plan = build_plan("select a.i, b.k from db.a a left join db.b b on a.i = b.i", VERSIONED)
+    window = Window(old={"db.a": 2, "db.b": 5}, new={"db.a": 3, "db.b": 5})
+    with materialized("t1") as pieces:
+        d = delta(plan.input, window).sql("spark")
+    names = [n for n, _ in pieces.items]
+    assert names and all(n.endswith("_t1") for n in names)
+    assert not d.upper().startswith("WITH") and all(f"`{n}`" in d for n in names if n.startswith("__ivm_r"))
+    # each piece reads only pieces before it
+    for i, (_, query) in enumerate(pieces.items):
+        text = query.sql("spark")
+        assert not any(f"`{n}`" in text for n in names[i:])
+    plain = delta(plan.input, window).sql("spark")
+    assert plain.upper().startswith("WITH")
