@@ -497,12 +497,14 @@ def _node(query: exp.Expression, catalog: Catalog, ctes: dict) -> Node:
     # (and sqlglot's Spark writer would hoist it once per delta term).
     query = query.copy()
     query.set("with_", None)
+    # The operator of the SELECT (GROUP BY, DISTINCT, windows) over its FROM,
+    # joins and WHERE first; the outer/semi/anti joins inside that below it.
+    if _keyed_select(query):
+        return _split_operator(query, catalog, ctes)
     joins = query.args.get("joins") or []
     keyed = [i for i, j in enumerate(joins) if keyed_join(j)]
     if keyed:
         return _split_join(query, keyed[-1], catalog, ctes)
-    if _keyed_select(query):
-        return _split_operator(query, catalog, ctes)
     items: list[tuple[str, Node]] = []
     for rel in _relations(query):
         items.append((rel.alias_or_name, _item(rel, catalog, ctes)))
@@ -575,6 +577,7 @@ def _split_join(query: exp.Select, m: int, catalog: Catalog, ctes: dict) -> Node
     # the query over O: what it reads of the relations up to the join, lifted
     top = query.copy()
     top.set("joins", [j.copy() for j in joins[m + 1:]])
+    pushed = _push_below(top, outer, set(left))
     lifted, _ = _lift(top, left + [right], o_alias)
     top.set("from_", exp.From(this=exp.Table(this=exp.to_identifier(o_alias, quoted=True))))
     # O: X joined with the relation, projecting what the query reads
@@ -583,6 +586,8 @@ def _split_join(query: exp.Select, m: int, catalog: Catalog, ctes: dict) -> Node
     # X: the relations before the join, projecting what O reads of them
     x = exp.Select(expressions=[]).from_(rels[0].copy())
     x.set("joins", [j.copy() for j in joins[:m]])
+    if pushed:
+        x.set("where", exp.Where(this=exp.and_(*pushed)))
     x.set("expressions", _lift(o_select, left, x_alias)[0])
     keys = _join_keys(o_select.args["joins"][0].args["on"], x_alias, right)
     if not keys:
@@ -592,6 +597,27 @@ def _split_join(query: exp.Select, m: int, catalog: Catalog, ctes: dict) -> Node
                    keys=[[k[0] for k in keys], [k[1] for k in keys]])
     items = [(o_alias, o_node)] + [(r.alias_or_name, _item(r, catalog, ctes)) for r in rels[m + 2:]]
     return Block(select=top, items=items)
+
+
+def _push_below(top: exp.Select, join: exp.Join, left: set) -> list[exp.Expression]:
+    """Remove from ``top``'s WHERE and return the conjuncts that read only the
+    relations ``left`` of ``join`` when that join keeps its left rows as they
+    are (LEFT outer, SEMI, ANTI): filtering them before the join is the same,
+    and X — cached on its own by a recompute — stays a join, not the product
+    of comma-joined tables whose join conditions sit in the WHERE."""
+    where = top.args.get("where")
+    side, kind = (join.side or "").upper(), (join.kind or "").upper()
+    if where is None or side != "LEFT" and kind not in ("SEMI", "ANTI"):
+        return []
+    pushed, kept = [], []
+    for conj in where.this.flatten() if isinstance(where.this, exp.And) else [where.this]:
+        tables = {c.table for c in conj.find_all(exp.Column)}
+        if tables and tables <= left and not conj.find(exp.Subquery, exp.AggFunc, exp.Window):
+            pushed.append(conj.copy())
+        else:
+            kept.append(conj)
+    top.set("where", exp.Where(this=exp.and_(*kept)) if kept else None)
+    return pushed
 
 
 def _no_keys(join: exp.Join) -> Reason:

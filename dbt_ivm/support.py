@@ -114,10 +114,15 @@ def check_support(query: exp.Query) -> list[Reason]:
             isinstance(node, exp.In) and node.args.get("query")
         ):
             add("UNSUPPORTED_SUBQUERY_PREDICATE",
-                f"subquery predicates ({node.key.upper()} (SELECT ...)) are not supported by incremental_mv",
+                f"this {node.key.upper()} (SELECT ...) predicate is not maintained: incremental_mv maintains "
+                "EXISTS / NOT EXISTS / IN as AND-ed WHERE conditions (correlated by equalities, not aggregating "
+                "when correlated) and NOT IN when not correlated",
                 _HINT_FULL + "; rewrite as an inner join over distinct keys to maintain it")
         elif isinstance(node, exp.Subquery) and not _is_relation(node):
-            add("UNSUPPORTED_SUBQUERY_PREDICATE", "scalar subqueries are not supported by incremental_mv")
+            add("UNSUPPORTED_SUBQUERY_PREDICATE",
+                "this scalar subquery is not maintained: incremental_mv maintains one aggregate without GROUP BY, "
+                "not correlated or correlated by equalities with the SELECT around it, in its WHERE, SELECT list "
+                "or HAVING (not beside an aggregate without GROUP BY)", _HINT_FULL)
         elif isinstance(node, exp.Select):
             _check_select(node, query, ctes, add)
     return reasons

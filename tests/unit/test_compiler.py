@@ -268,3 +268,24 @@ def test_materialized_pieces_are_named_views_not_ctes():
         assert not any(f"`{n}`" in text for n in names[i:])
     plain = delta(plan.input, window).sql("spark")
     assert plain.upper().startswith("WITH")
+
+
+def test_where_conjuncts_of_the_preserved_side_go_below_a_semi_join():
+    """Comma joins with their conditions in the WHERE, then a semi join: the
+    relations before the semi join (cached on their own by a recompute) keep
+    their join conditions, not a cross product; conditions reading the
+    null-supplying side of an outer join stay above it."""
+    from dbt_ivm.plan import Keyed
+
+    plan = build_plan("select a.i, b.k from db.a a, db.b b where a.i = b.i and a.j > 0 "
+                      "and exists (select 1 from db.b c where c.k = a.j)", CATALOG)
+    keyed = plan.input.items[0][1]
+    assert isinstance(keyed, Keyed)
+    x = keyed.items[0][1].select.sql("spark")
+    assert "WHERE `a`.`i` = `b`.`i` AND `a`.`j` > 0" in x
+    assert plan.input.select.args.get("where") is None
+    left = build_plan("select a.i, b.k from db.a a left join db.b b on a.i = b.i where b.k > 1 and a.j > 0", CATALOG)
+    assert "`a`.`j` > 0" in left.input.items[0][1].items[0][1].select.sql("spark")
+    assert "> 1" in left.input.select.args["where"].sql("spark")
+    right = build_plan("select a.i, b.k from db.a a right join db.b b on a.i = b.i where a.j > 0", CATALOG)
+    assert "> 0" in right.input.select.args["where"].sql("spark")
