@@ -185,6 +185,9 @@ class Result:
         return " ".join(parts)
 
 
+PLAN_STRING, PLAN_STRING_LIMIT = "spark.sql.maxPlanStringLength", "65536"
+
+
 def has_mv_readers(nodes: dict, unique_id: str) -> bool:
     """Whether an incremental_mv of the dbt graph (``graph.nodes``: unique id ->
     node dict) reads the model ``unique_id`` — directly, or through ephemeral
@@ -1158,7 +1161,11 @@ class Refresher:
         # The delta's shared pieces (an affected-key recompute's input deltas,
         # touched keys and restricted inputs) become cached views of this
         # session before the statement reading them runs, and are dropped after.
-        with materialized(self.run_id) as pieces:
+        # Spark prints every statement's plan for its listeners, and a plan
+        # over cached views prints each view's own plan inside it: over nested
+        # pieces that text grows with the product of their sizes (TPC-H q20 ran
+        # the driver out of heap building it). Capped for the refresh.
+        with materialized(self.run_id) as pieces, self._session_confs({PLAN_STRING: PLAN_STRING_LIMIT}):
             self.pieces, self.cached_pieces = pieces, []
             try:
                 self._incremental_statements(plan, sources, watermark, result, broadcast)
