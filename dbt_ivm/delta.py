@@ -66,16 +66,25 @@ class Window:
 
 def snapshot(node: Node, window: Window, side: str) -> exp.Query:
     """The node's rows at the old or new versions, with weights."""
-    if isinstance(node, Scan):
-        return _scan_snapshot(node.source, window.version(node.source, side))
-    if isinstance(node, Block):
-        return _render_block(node, [snapshot(child, window, side) for _, child in node.items])
-    if isinstance(node, UnionAll):
-        return _union([snapshot(arm, window, side) for arm in node.arms])
-    if isinstance(node, Keyed):
-        rels = [snapshot(child, window, side) for _, child in node.items]
-        return _render_keyed(node, [r if unit(c) else _units(r) for (_, c), r in zip(node.items, rels)])
-    raise TypeError(f"no snapshot rule for {type(node).__name__}")
+    return _rule(node).snapshot(node, window, side)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one operator's rows and changes are rendered. ``name`` is the rule's
+    name in the README's "Supported queries" table (a unit test checks that
+    table against RULES)."""
+
+    name: str
+    snapshot: object  # (node, window, side) -> weighted rows
+    delta: object  # (node, window) -> weighted change, or None when nothing under it changed
+
+
+def _rule(node: Node) -> Rule:
+    try:
+        return RULES[type(node)]
+    except KeyError:
+        raise TypeError(f"no rule for {type(node).__name__}") from None
 
 
 def delta(node: Node, window: Window) -> Optional[exp.Query]:
@@ -140,16 +149,7 @@ def _shared(query: exp.Query, kind: str) -> exp.Select:
 
 
 def _delta(node: Node, window: Window) -> Optional[exp.Query]:
-    if isinstance(node, Scan):
-        return _scan_delta(node.source, window) if window.changed(node.source) else None
-    if isinstance(node, Block):
-        return _block_delta(node, window)
-    if isinstance(node, UnionAll):
-        parts = [d for d in (_delta(arm, window) for arm in node.arms) if d is not None]
-        return _union(parts) if parts else None
-    if isinstance(node, Keyed):
-        return _keyed_delta(node, window)
-    raise TypeError(f"no delta rule for {type(node).__name__}")
+    return _rule(node).delta(node, window)
 
 
 def changed(node: Node, window: Window) -> bool:
@@ -387,3 +387,29 @@ def _units(rel: exp.Query, cols: Optional[list[str]] = None) -> exp.Select:
         quoted=True)).from_(_aliased(rel, f"{PREFIX}r"))
     return exp.select(*(exp.column(c, quoted=True) for c in cols),
                       exp.alias_(exp.Literal.number(1), W, quoted=True)).from_(_aliased(repeated, f"{PREFIX}u"))
+
+
+# --------------------------------------------------------------------------- the rules
+
+# One rule per operator of the plan (dbt_ivm.plan's nodes); the root operators
+# (bag, DISTINCT, aggregate state) are dbt_ivm.apply's.
+RULES: dict = {
+    Scan: Rule(
+        "scan",
+        lambda n, w, side: _scan_snapshot(n.source, w.version(n.source, side)),
+        lambda n, w: _scan_delta(n.source, w) if w.changed(n.source) else None),
+    Block: Rule(
+        "block",
+        lambda n, w, side: _render_block(n, [snapshot(c, w, side) for _, c in n.items]),
+        _block_delta),
+    UnionAll: Rule(
+        "union",
+        lambda n, w, side: _union([snapshot(a, w, side) for a in n.arms]),
+        lambda n, w: _union(parts) if (parts := [d for d in (_delta(a, w) for a in n.arms) if d is not None])
+        else None),
+    Keyed: Rule(
+        "keyed",
+        lambda n, w, side: _render_keyed(n, [r if unit(c) else _units(r) for (_, c), r in
+                                             zip(n.items, [snapshot(c, w, side) for _, c in n.items])]),
+        _keyed_delta),
+}

@@ -289,3 +289,25 @@ def test_where_conjuncts_of_the_preserved_side_go_below_a_semi_join():
     assert "> 1" in left.input.select.args["where"].sql("spark")
     right = build_plan("select a.i, b.k from db.a a right join db.b b on a.i = b.i where a.j > 0", CATALOG)
     assert "> 0" in right.input.select.args["where"].sql("spark")
+
+
+def test_readme_supported_table_names_exactly_the_rules():
+    """The README's "Supported queries" table names, per construct, the rule
+    that maintains it: every name there is one of delta.RULES (or a root state
+    kind of dbt_ivm.apply), and every rule is named there."""
+    import re
+
+    from dbt_ivm.delta import RULES
+    from dbt_ivm.plan import AGGREGATE, BAG, DISTINCT
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("| construct | rule | how a change is applied |"):]
+    rows = table[: table.index("\n\n")].splitlines()[2:]
+    named = set()
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 3, row
+        named |= set(re.findall(r"`([a-z]+)`", cells[1]))
+    known = {r.name for r in RULES.values()} | {BAG, DISTINCT, AGGREGATE}
+    assert named <= known, named - known
+    assert known <= named, known - named
