@@ -32,6 +32,7 @@ from dbt_ivm import names
 from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.errors import IvmConfigError, Reason, UnsupportedQuery
 from dbt_ivm.names import DIALECT
+from dbt_ivm.grouping_sets import expand as expand_grouping_sets
 from dbt_ivm.subqueries import decorrelate
 from dbt_ivm.support import check_structure, check_support, root_decomposable
 
@@ -373,6 +374,7 @@ def build_plan(sql: str, catalog: Catalog) -> Plan:
             "the model is refreshed by full rebuilds; if Spark cannot resolve it either, the build "
             "fails with Spark's error")]) from e
 
+    query = expand_grouping_sets(query)  # GROUPING SETS / ROLLUP / CUBE: a UNION ALL of GROUP BYs
     columns = [c.lower() for c in query.named_selects]
     _check_columns(columns)
     decorrelate(query)  # EXISTS / NOT EXISTS / IN (subquery) in a WHERE: semi and anti joins

@@ -89,7 +89,6 @@ def check_support(query: exp.Query) -> list[Reason]:
     reasons: list[Reason] = []
     add = _adder(reasons)
 
-    ctes = {c.alias_or_name for c in query.find_all(exp.CTE)}
     if query.args.get("order"):
         add("UNSUPPORTED_ORDER_LIMIT", "ORDER BY / LIMIT / OFFSET at the top of an incremental_mv",
             "remove it: a materialized view is an unordered set of rows")
@@ -123,8 +122,6 @@ def check_support(query: exp.Query) -> list[Reason]:
                 "this scalar subquery is not maintained: incremental_mv maintains one aggregate without GROUP BY, "
                 "not correlated or correlated by equalities with the SELECT around it, in its WHERE, SELECT list "
                 "or HAVING (not beside an aggregate without GROUP BY)", _HINT_FULL)
-        elif isinstance(node, exp.Select):
-            _check_select(node, query, ctes, add)
     return reasons
 
 
@@ -145,20 +142,6 @@ def _check_join(join: exp.Join, add) -> None:
         add("UNSUPPORTED_JOIN", f"{side} {kind} JOIN is not supported by incremental_mv")
     if kind not in ("", "INNER", "CROSS", "SEMI", "ANTI", "OUTER"):
         add("UNSUPPORTED_JOIN", f"{kind} JOIN is not supported by incremental_mv")
-
-
-def _check_select(select: exp.Select, root: exp.Query, ctes: set, add) -> None:
-    """GROUP BY, DISTINCT, HAVING, any aggregate and windows are maintained:
-    at the root by the aggregate state where decomposable (root_decomposable),
-    else — and below the root — by affected-key recompute on the group keys,
-    the DISTINCT columns or the PARTITION BY keys (plan.Keyed). Grouping sets
-    have no such key (a subtotal row depends on many groups)."""
-    group = select.args.get("group")
-    if group and (
-        any(group.args.get(k) for k in ("rollup", "cube", "grouping_sets"))
-        or any(isinstance(k, (exp.Rollup, exp.Cube, exp.GroupingSets)) for k in group.expressions)
-    ):
-        add("UNSUPPORTED_GROUPING_SETS", "ROLLUP / CUBE / GROUPING SETS are not supported by incremental_mv")
 
 
 def root_decomposable(select: exp.Select) -> bool:

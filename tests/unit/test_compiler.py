@@ -311,3 +311,24 @@ def test_readme_supported_table_names_exactly_the_rules():
     known = {r.name for r in RULES.values()} | {BAG, DISTINCT, AGGREGATE}
     assert named <= known, named - known
     assert known <= named, known - named
+
+
+def test_grouping_sets_become_one_group_by_per_set():
+    """ROLLUP(i, j) = GROUP BY i, j ∪ GROUP BY i (j NULL) ∪ the empty set (a
+    constant key: no row over no input); grouping() and grouping_id() take
+    their per-set values, with Spark's types (tinyint, bigint)."""
+    plan = build_plan("select i, j, sum(d) as s, grouping(j) as g, grouping_id(j, i) as gid "
+                      "from db.a group by rollup(i, j)", CATALOG)
+    def flat(q):
+        return flat(q.this) + flat(q.expression) if isinstance(q, exp.Union) else [q]
+
+    arms = flat(plan.query)
+    assert len(arms) == 3
+    texts = [a.sql("spark") for a in arms]
+    assert [a.args["group"].sql("spark") for a in arms] == [
+        "GROUP BY `a`.`i`, `a`.`j`", "GROUP BY `a`.`i`", "GROUP BY '__ivm_all'"]
+    assert "NULL AS `j`" in texts[1] and "NULL AS `i`" in texts[2] and "SUM(`a`.`d`)" in texts[2]
+    assert [("CAST(0 AS TINYINT)" in t, "CAST(1 AS TINYINT)" in t) for t in texts] == [(True, False), (False, True),
+                                                                                        (False, True)]
+    assert [next(int(c.this.this) for c in a.find_all(exp.Cast) if c.to.this == exp.DataType.Type.BIGINT)
+            for a in arms] == [0, 2, 3]
