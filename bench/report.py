@@ -18,6 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from shapes import BY_NAME  # noqa: E402
 
 # The issue's goals (ratios on these 2-core machines), by source rows.
 GOALS_MAINTAINED = {100_000: 1.1, 1_000_000: 0.7, 10_000_000: 0.2, 100_000_000: 0.05}
@@ -44,9 +46,13 @@ def load(paths):
     return cells, meta, problems
 
 
-def fallback(reasons) -> bool:
-    """A shape the engine does not maintain yet: its refreshes rebuild for an UNSUPPORTED_* reason."""
-    return any((r or "").startswith("UNSUPPORTED") or r == "NON_DETERMINISTIC" for r in reasons)
+def fallback(shape: str, reasons) -> bool:
+    """A shape of the issue's "fall back today" class: maintained by
+    affected-key recompute (shapes.Shape.keyed), or not maintained at all
+    (its refreshes rebuild for an UNSUPPORTED_* reason)."""
+    known = BY_NAME.get(shape)
+    return bool(known and known.keyed) or any(
+        (r or "").startswith("UNSUPPORTED") or r == "NON_DETERMINISTIC" for r in reasons)
 
 
 def mixed_table(cells):
@@ -61,7 +67,7 @@ def mixed_table(cells):
         rm, rt = med([c["read_mv"] for c in cs]), med([c["read_table"] for c in cs])
         out.append(dict(rows=rows, change=change, shape=shape, n=len(cs), mv=mv, table=table, full=full,
                         r_plain=mv / table, full_x=full / table, read_x=rm / rt if rt else None,
-                        codes=", ".join(codes), fallback=fallback(c.get("reason") for c in cs)))
+                        codes=", ".join(codes), fallback=fallback(shape, [c.get("reason") for c in cs])))
     return out
 
 

@@ -36,6 +36,9 @@ class Shape:
     incremental: Optional[str] = None
     unique_key: tuple = ()
     note: str = ""
+    # Maintained by affected-key recompute (outer/semi/anti joins, windows,
+    # nested aggregates): the issue's "shapes that fall back today" goals.
+    keyed: bool = False
 
 
 L, O, C = src("lineitem"), src("orders"), src("customer")
@@ -67,17 +70,22 @@ SHAPES = [
         from {L} l left join {O} o on l.l_orderkey = o.o_orderkey
         {{% if is_incremental() %}}
         where l.l_orderkey > (select coalesce(max(l_orderkey), 0) from {{{{ this }}}})
-        {{% endif %}}""", unique_key=("l_orderkey", "l_linenumber"), note="LEFT JOIN projection"),
+        {{% endif %}}""", unique_key=("l_orderkey", "l_linenumber"), note="LEFT JOIN projection", keyed=True),
     Shape("latest_per_key", f"""
         select o_custkey, o_orderkey, o_orderdate, o_totalprice
         from (select o_custkey, o_orderkey, o_orderdate, o_totalprice,
                      row_number() over (partition by o_custkey order by o_orderdate desc, o_orderkey desc) as rn
               from {O}) as ranked
-        where rn = 1""", note="latest row per key (ROW_NUMBER() = 1) over orders"),
+        where rn = 1""", note="latest row per key (ROW_NUMBER() = 1) over orders", keyed=True),
     Shape("agg_left_join", f"""
         select c.c_custkey, c.c_mktsegment, count(o.o_orderkey) as n_orders, sum(o.o_totalprice) as total
         from {C} c left join {O} o on c.c_custkey = o.o_custkey
-        group by c.c_custkey, c.c_mktsegment""", note="aggregate over a LEFT JOIN"),
+        group by c.c_custkey, c.c_mktsegment""", note="aggregate over a LEFT JOIN", keyed=True),
+    Shape("not_exists", f"""
+        select o.o_orderkey, o.o_custkey, o.o_orderdate, o.o_totalprice
+        from {O} o
+        where not exists (select 1 from {L} l where l.l_orderkey = o.o_orderkey and l.l_returnflag = 'R')""",
+          note="NOT EXISTS: orders without a returned line (an anti join)", keyed=True),
     Shape("tpch_q1", f"""
         select l_returnflag, l_linestatus,
                sum(l_quantity) as sum_qty, sum(l_extendedprice) as sum_base_price,
@@ -111,7 +119,7 @@ SHAPES = [
         join {L} l on o.o_orderkey = l.l_orderkey
         where o.o_orderkey in (select l_orderkey from {L} group by l_orderkey having sum(l_quantity) > 170)
         group by c.c_name, c.c_custkey, o.o_orderkey, o.o_orderdate, o.o_totalprice""",
-          note="TPC-H Q18 (threshold 170 for four lines per order; no ORDER BY / LIMIT)"),
+          note="TPC-H Q18 (threshold 170 for four lines per order; no ORDER BY / LIMIT)", keyed=True),
 ]
 BY_NAME = {s.name: s for s in SHAPES}
 
