@@ -73,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shuffle-partitions", default="8")
     p.add_argument("--name", default="latest", help="results file: bench/results/<name>.json (default latest)")
     p.add_argument("--timings", action="store_true", help="print every SQL statement's time (DBT_IVM_TIMINGS=1)")
+    p.add_argument("--policy", default="auto", choices=("auto", "incremental"),
+                   help="ivm_policy of the incremental_mv models: auto (the cost rule may rebuild) or incremental "
+                        "(every refresh on the incremental path: what it costs, whatever auto would choose)")
     a = p.parse_args()
     a.sizes = [size_arg(s) for s in a.sizes.split(",") if s.strip()]
     a.changes = [float(c) for c in a.changes.split(",") if c.strip()]
@@ -119,7 +122,7 @@ class Bench:
 
     def write_project(self) -> None:
         models = {"+file_format": "delta", "+schema": None,
-                  "mv": {"+materialized": "incremental_mv", "+tags": ["mv"]},
+                  "mv": {"+materialized": "incremental_mv", "+tags": ["mv"], "+ivm_policy": self.args.policy},
                   "table": {"+materialized": "table", "+tags": ["table"]},
                   "inc": {"+materialized": "incremental", "+incremental_strategy": "merge", "+tags": ["inc"]}}
         del models["+schema"]
