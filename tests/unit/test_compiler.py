@@ -317,7 +317,7 @@ def test_grouping_sets_become_one_group_by_per_set():
     """ROLLUP(i, j) = GROUP BY i, j ∪ GROUP BY i (j NULL) ∪ the empty set (a
     constant key: no row over no input); grouping() and grouping_id() take
     their per-set values, with Spark's types (tinyint, bigint)."""
-    plan = build_plan("select i, j, sum(d) as s, grouping(j) as g, grouping_id(j, i) as gid "
+    plan = build_plan("select i, j, sum(d) as s, grouping(j) as g, grouping_id(i, j) as gid "
                       "from db.a group by rollup(i, j)", CATALOG)
     def flat(q):
         return flat(q.this) + flat(q.expression) if isinstance(q, exp.Union) else [q]
@@ -331,4 +331,4 @@ def test_grouping_sets_become_one_group_by_per_set():
     assert [("CAST(0 AS TINYINT)" in t, "CAST(1 AS TINYINT)" in t) for t in texts] == [(True, False), (False, True),
                                                                                         (False, True)]
     assert [next(int(c.this.this) for c in a.find_all(exp.Cast) if c.to.this == exp.DataType.Type.BIGINT)
-            for a in arms] == [0, 2, 3]
+            for a in arms] == [0, 1, 3]
