@@ -10,11 +10,13 @@ correlation conditions:
 * ``x IN (SELECT y FROM … [correlated as above])`` → a semi join adding
   ``x = y`` to the conditions (the subquery may aggregate when it is not
   correlated: TPC-H q18);
-* ``x NOT IN (SELECT y …)`` (not correlated) → the anti join on ``x = y`` and
-  a cross join with the subquery's two global flags, ``count(*)`` and
-  ``count(y)``, kept as ``(n = 0 OR (nn = n AND x IS NOT NULL))`` in the WHERE:
-  one NULL among the ``y`` empties the result, an empty subquery keeps every
-  row, a NULL ``x`` passes only then (SQL's three-valued ``NOT IN``).
+* ``x NOT IN (SELECT y …)`` → the anti join on ``x = y`` and a cross join
+  with the subquery's two flags, ``count(*)`` and ``count(y)``, kept as
+  ``(n = 0 OR (nn = n AND x IS NOT NULL))`` in the WHERE: one NULL among the
+  ``y`` empties the result, an empty subquery keeps every row, a NULL ``x``
+  passes only then (SQL's three-valued ``NOT IN``). Correlated on equalities,
+  the flags are per correlation key: the subquery grouped by its inner keys,
+  LEFT JOINed (no row: empty for that outer row, ``n IS NULL``).
 
 A scalar subquery (one aggregate, no GROUP BY: always exactly one value) in
 the SELECT list, WHERE or HAVING becomes a join and a column:
@@ -33,8 +35,8 @@ its outer columns are group keys already), so the groups stay the same.
 The joins are then maintained like any other (plan.Keyed: semi/anti/outer
 joins on their equi-join keys, the scalar aggregate recomputed when its
 inputs change). Left alone (the support walker names them): a predicate under
-OR or NOT of a compound, a correlated ``NOT IN``, a correlated subquery that
-aggregates or limits in a predicate, a scalar subquery that is not one
+OR or NOT of a compound, a ``NOT IN`` correlated other than by equalities,
+a correlated subquery that aggregates or limits in a predicate, a scalar subquery that is not one
 aggregate without GROUP BY, correlated other than by equalities, or in the
 SELECT list of an aggregate without GROUP BY.
 Pure: a qualified sqlglot tree in, the same tree rewritten in place.
@@ -111,7 +113,7 @@ def _predicates(select: exp.Select, fresh: Callable[[], str]) -> None:
         return
     kept, changed = [], False
     for conj in _conjuncts(where.this):
-        rewritten = _as_joins(conj, fresh)
+        rewritten = _as_joins(conj, fresh, _relations(select))
         if rewritten is None:
             kept.append(conj)
             continue
@@ -125,7 +127,7 @@ def _predicates(select: exp.Select, fresh: Callable[[], str]) -> None:
         select.set("where", exp.Where(this=exp.and_(*kept)) if kept else None)
 
 
-def _as_joins(conj: exp.Expression, fresh) -> Optional[tuple[list[exp.Join], Optional[exp.Expression]]]:
+def _as_joins(conj: exp.Expression, fresh, outer: set) -> Optional[tuple[list[exp.Join], Optional[exp.Expression]]]:
     negated = isinstance(conj, exp.Not)
     pred = conj.this if negated else conj
     if isinstance(pred, exp.Paren):
@@ -151,8 +153,10 @@ def _as_joins(conj: exp.Expression, fresh) -> Optional[tuple[list[exp.Join], Opt
         return None
     if probe is not None and (len(sub.expressions) != 1 or isinstance(probe, exp.Tuple)):
         return None
-    if negated and probe is not None and correlated:
-        return None  # a correlated NOT IN: its flags would be per outer row
+    pairs = _equalities(correlated, inner, outer)
+    if negated and probe is not None and pairs is None:
+        return None  # a NOT IN correlated other than by equalities: no key for its per-row flags
+    flags_of = sub.copy()  # a NOT IN's flags count the subquery's rows as written (before the lifts below)
     alias = fresh()
     conds = []
     projections: list[exp.Expression] = []
@@ -185,18 +189,48 @@ def _as_joins(conj: exp.Expression, fresh) -> Optional[tuple[list[exp.Join], Opt
     joins = [exp.Join(this=_aliased(sub, alias), side="LEFT", kind=kind, on=exp.and_(*conds))]
     if not (negated and probe is not None):
         return joins, None
-    # NOT IN: the anti join, and the subquery's flags (rows, non-NULL values) as one cross-joined row
+    # NOT IN: the anti join, and the subquery's flags (rows, non-NULL values):
+    # one cross-joined row, or — correlated — one row per correlation key,
+    # LEFT JOINed (no row: the subquery is empty for that outer row)
     flags = fresh()
-    value = _col(f"{PREFIX}e0", f"{PREFIX}q")
-    joins.append(exp.Join(this=_aliased(exp.select(
-        exp.alias_(exp.Count(this=exp.Star()), f"{PREFIX}e0", quoted=True),
-        exp.alias_(exp.Count(this=value), f"{PREFIX}e1", quoted=True)).from_(
-        _aliased(sub.copy(), f"{PREFIX}q")), flags), kind="CROSS"))
     n, nn = _col(f"{PREFIX}e0", flags), _col(f"{PREFIX}e1", flags)
-    residual = exp.or_(exp.EQ(this=n, expression=exp.Literal.number(0)),
-                       exp.and_(exp.EQ(this=nn, expression=n.copy()),
-                                exp.Not(this=exp.Is(this=probe.copy(), expression=exp.Null()))))
+    if not pairs:
+        value = _col(f"{PREFIX}e0", f"{PREFIX}q")
+        joins.append(exp.Join(this=_aliased(exp.select(
+            exp.alias_(exp.Count(this=exp.Star()), f"{PREFIX}e0", quoted=True),
+            exp.alias_(exp.Count(this=value), f"{PREFIX}e1", quoted=True)).from_(
+            _aliased(sub.copy(), f"{PREFIX}q")), flags), kind="CROSS"))
+        empty: exp.Expression = exp.EQ(this=n, expression=exp.Literal.number(0))
+    else:
+        flags_of.set("where", exp.Where(this=exp.and_(*local)) if local else None)
+        flags_of.set("expressions", [
+            exp.alias_(exp.Count(this=exp.Star()), f"{PREFIX}e0", quoted=True),
+            exp.alias_(exp.Count(this=flags_of.expressions[0].unalias().copy()), f"{PREFIX}e1", quoted=True),
+            *(exp.alias_(i.copy(), f"{PREFIX}e{k + 2}", quoted=True) for k, (i, _) in enumerate(pairs))])
+        flags_of.set("group", exp.Group(expressions=[i.copy() for i, _ in pairs]))
+        on = exp.and_(*(exp.EQ(this=_col(f"{PREFIX}e{k + 2}", flags), expression=o.copy())
+                        for k, (_, o) in enumerate(pairs)))
+        joins.append(exp.Join(this=_aliased(flags_of, flags), side="LEFT", on=on))
+        empty = exp.Is(this=n, expression=exp.Null())
+    residual = exp.or_(empty, exp.and_(exp.EQ(this=nn, expression=n.copy()),
+                                       exp.Not(this=exp.Is(this=probe.copy(), expression=exp.Null()))))
     return joins, exp.Paren(this=residual)
+
+
+def _equalities(correlated: list, inner: set, outer: set) -> Optional[list[tuple[exp.Expression, exp.Expression]]]:
+    """(inner expression, outer expression) of each correlated conjunct, when
+    every one is an equality between the subquery's columns and the outer
+    SELECT's; None otherwise."""
+    pairs = []
+    for c in correlated:
+        sides = [_side(e, inner, outer) for e in (c.this, c.expression)] if isinstance(c, exp.EQ) else [None]
+        if sides == ["inner", "outer"]:
+            pairs.append((c.this, c.expression))
+        elif sides == ["outer", "inner"]:
+            pairs.append((c.expression, c.this))
+        else:
+            return None
+    return pairs
 
 
 # --------------------------------------------------------------------------- scalar subqueries
@@ -276,15 +310,9 @@ def _scalar_join(sub: exp.Subquery, select: exp.Select, fresh) -> Optional[tuple
     if not correlated:
         query.set("expressions", [exp.alias_(value, f"{PREFIX}e0", quoted=True)])
         return exp.Join(this=_aliased(query, alias), kind="CROSS"), result, [result.copy()]
-    pairs = []
-    for c in correlated:
-        sides = [_side(e, inner, outer) for e in (c.this, c.expression)] if isinstance(c, exp.EQ) else [None]
-        if sides == ["inner", "outer"]:
-            pairs.append((c.this, c.expression))
-        elif sides == ["outer", "inner"]:
-            pairs.append((c.expression, c.this))
-        else:
-            return None  # correlated other than by an equality of an inner and an outer expression
+    pairs = _equalities(correlated, inner, outer)
+    if pairs is None:
+        return None  # correlated other than by an equality of an inner and an outer expression
     empty = _over_no_rows(value)
     if empty is None:
         return None

@@ -332,3 +332,12 @@ def test_grouping_sets_become_one_group_by_per_set():
                                                                                         (False, True)]
     assert [next(int(c.this.this) for c in a.find_all(exp.Cast) if c.to.this == exp.DataType.Type.BIGINT)
             for a in arms] == [0, 1, 3]
+
+
+def test_correlated_not_in_keeps_its_flags_per_correlation_key():
+    plan = build_plan("select a.i from db.a a where a.i not in (select b.i from db.b b where b.k = a.j)", CATALOG)
+    text = plan.query.sql("spark")
+    assert "LEFT ANTI JOIN" in text
+    assert ("LEFT JOIN (SELECT COUNT(*) AS `__ivm_e0`, COUNT(`b`.`i`) AS `__ivm_e1`, `b`.`k` AS `__ivm_e2` "
+            "FROM `db`.`b` AS `b` GROUP BY `b`.`k`)") in text
+    assert "`__ivm_s1`.`__ivm_e0` IS NULL OR (" in text  # no row for the key: the subquery is empty there
