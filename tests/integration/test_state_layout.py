@@ -82,8 +82,8 @@ def _state_rows(model: str) -> int:
 
 
 def test_append_layout_through_changes_and_compaction(project, monkeypatch):
-    monkeypatch.setattr(refresh, "MAX_LAYERS", 3)  # compaction every third append
-    monkeypatch.setattr(refresh, "LAYER_FRACTION", 1e9)  # ... and not by size
+    monkeypatch.setattr(refresh.incremental, "MAX_LAYERS", 3)  # compaction every third append
+    monkeypatch.setattr(refresh.incremental, "LAYER_FRACTION", 1e9)  # ... and not by size
     out = project.dbt("run", "--select", "sums", "total")
     assert out.code("sums") == "CREATE" and out.code("total") == "CREATE"
     _exact(out, "sums", "total")
@@ -170,13 +170,13 @@ def test_auto_layout_switches_big_states_and_back_to_merge(project, monkeypatch)
 
     # a state is "big" from APPEND_AUTO_BYTES written by one of its commits:
     # lowered to one byte here (the reading of the history and the switch are the same code)
-    monkeypatch.setattr(refresh, "APPEND_AUTO_BYTES", 1)
+    monkeypatch.setattr(refresh.refresher, "APPEND_AUTO_BYTES", 1)
     sql(f"delete from {SRC}.t where k = 7")
     out = project.dbt("run", "--select", "grown")
     _exact(out, "grown")
     assert out.code("grown") == "INCREMENTAL" and "appended" in out.response("grown")["rows"]
     assert _layout("grown") == "append"
-    monkeypatch.setattr(refresh, "APPEND_AUTO_BYTES", 1 << 40)  # once append, it stays append
+    monkeypatch.setattr(refresh.refresher, "APPEND_AUTO_BYTES", 1 << 40)  # once append, it stays append
     sql(f"insert into {SRC}.t values (8, 'g1', 80, 1.0)")
     out = project.dbt("run", "--select", "grown")
     _exact(out, "grown")

@@ -48,7 +48,7 @@ COMPACT_AFTER = 3
 
 def test_deletion_vectors_then_compaction_every_few_merges(project, monkeypatch):
     assert refresh.COMPACT_AFTER >= COMPACT_AFTER
-    monkeypatch.setattr(refresh, "COMPACT_AFTER", COMPACT_AFTER)
+    monkeypatch.setattr(refresh.incremental, "COMPACT_AFTER", COMPACT_AFTER)
     out = project.dbt("run")
     assert out.code("base") == "CREATE" and out.code("top") == "CREATE"
     assert table_properties(f"{OUT}.base__ivm_state").get("delta.enableDeletionVectors") == "true"
@@ -85,7 +85,7 @@ def test_auto_deletion_vectors_turn_on_with_the_state_size(project, monkeypatch)
     switch are the same code)."""
     state = f"{OUT}.top__ivm_state"
     assert table_properties(state).get("delta.enableDeletionVectors") == "false"  # a few KB: left off
-    monkeypatch.setattr(refresh, "DV_AUTO_BYTES", 1)
+    monkeypatch.setattr(refresh.refresher, "DV_AUTO_BYTES", 1)
     sql(f"update {SRC}.t set v = v + 7 where v % 211 = 3")
     out = project.dbt("run")
     _check(out)
@@ -93,7 +93,7 @@ def test_auto_deletion_vectors_turn_on_with_the_state_size(project, monkeypatch)
     assert table_properties(state).get("delta.enableDeletionVectors") == "true"
     _, wm = refresh.read_watermark(SessionExecutor(), state)
     assert wm.deletion_vectors is True
-    monkeypatch.setattr(refresh, "DV_AUTO_BYTES", 1 << 40)  # once on, they stay on
+    monkeypatch.setattr(refresh.refresher, "DV_AUTO_BYTES", 1 << 40)  # once on, they stay on
     sql(f"update {SRC}.t set v = v + 7 where v % 211 = 4")
     out = project.dbt("run")
     _check(out)

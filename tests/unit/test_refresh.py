@@ -251,7 +251,7 @@ def test_state_properties_are_set_only_where_the_watermark_differs(config, chang
     r = Refresher(ex, "select 1", "db.m", config, False)
     old = wm()
     old.change_feed, old.deletion_vectors = change_feed, dvs
-    r._set_properties(old)
+    r.set_properties(old)
     assert ex.sql == ([] if expected is None else [f"ALTER TABLE `db`.`m__ivm_state` SET TBLPROPERTIES {expected}"])
 
 
@@ -327,7 +327,7 @@ class _RanOut(_Recorder):
 def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, groups, expected):
     from dbt_ivm.catalog import Catalog
     from dbt_ivm.plan import build_plan
-    from dbt_ivm.refresh import Refresher, Result
+    from dbt_ivm.refresh import Refresher, Result, incremental
 
     src = Source("db.a", (("i", "int"), ("j", "int")), kind=DELTA, version=6, cdf=True)
     sql_text = "select i, min(j) as mn from db.a group by i"
@@ -338,7 +338,7 @@ def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, gro
     ex = _RanOut(groups)
     r = Refresher(ex, sql_text, "db.m", {}, False)
     result = Result(INCREMENTAL, None)
-    r._incremental(plan, [src], old, result, broadcast=True)
+    incremental.run(r, plan, [src], old, result, broadcast=True)
     steps = [s.split()[0] for s in ex.sql if not s.startswith(("SET ", "RESET ", "ALTER TABLE"))]
     assert steps == expected
     assert result.rows.get("recomputed_groups") == (groups or None)

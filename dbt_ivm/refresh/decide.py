@@ -1,0 +1,196 @@
+"""The strategy decision: pure functions of facts (no Spark), unit-tested.
+
+Strategies, in the order of DESIGN.md §5: CREATE (first build), NOOP,
+INCREMENTAL, PARTITION, FULL — each with a stable reason code recorded in the
+dbt log, run_results.json, the state table's commit history and the refresh
+history table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from dbt_ivm.catalog import LAYERED, MV, OTHER, Source
+from dbt_ivm.errors import Reason
+from dbt_ivm.names import display
+
+if TYPE_CHECKING:
+    from dbt_ivm.refresh.watermark import Watermark
+
+
+CREATE, NOOP, INCREMENTAL, PARTITION, FULL = "CREATE", "NOOP", "INCREMENTAL", "PARTITION", "FULL"
+
+
+# FULL reasons that are rebuilds by nature, allowed even under ivm_policy='incremental'.
+_REBUILD_REASONS = ("FULL_REFRESH", "NO_WATERMARK", "VIEW_MISSING", "PLAN_SIGNATURE_MISMATCH",
+                    "STATE_LAYOUT_CHANGED", "STATE_MODIFIED")
+
+
+@dataclass(frozen=True)
+class Decision:
+    strategy: str
+    reason: Optional[Reason] = None
+
+
+@dataclass
+class Result:
+    strategy: str
+    reason: Optional[Reason]
+    seconds: float = 0.0
+    rows: dict = field(default_factory=dict)  # merge metrics
+    changed_sources: list = field(default_factory=list)
+    sizes: dict = field(default_factory=dict)  # source -> changed rows
+    notes: list = field(default_factory=list)  # said after the message
+
+    def message(self) -> str:
+        parts = [self.strategy]
+        if self.reason:
+            parts.append(f"[{self.reason.code}]")
+        if self.sizes:
+            parts.append("changes: " + ", ".join(f"{display(n)} {c} rows" for n, c in self.sizes.items()))
+        elif self.changed_sources:
+            parts.append(f"changed: {', '.join(display(n) for n in self.changed_sources)}")
+        if self.rows:
+            parts.append(", ".join(f"{k}={v}" for k, v in self.rows.items()))
+        parts.append(f"in {self.seconds:.2f}s")
+        parts.extend(f"({n})" for n in self.notes)
+        if self.reason and self.reason.detail:
+            parts.append(f"- {self.reason.detail}")
+            if self.reason.hint:
+                parts.append(f"(hint: {self.reason.hint})")
+        return " ".join(parts)
+
+
+# Changes up to this many rows are always applied incrementally (see too_large).
+SMALL_CHANGE = 1000
+
+
+def too_large(sizes: dict, threshold: float) -> Optional[Reason]:
+    """Cost rule of ivm_policy='auto': a change that touches more than ``threshold``
+    of a source's rows is cheaper to rebuild than to apply. ``sizes`` maps a source
+    name to (changed rows, rows now); rows now may be None for a change of at most
+    SMALL_CHANGE rows (never rebuilt, so never counted)."""
+    for name, (changes, total) in sizes.items():
+        if changes > SMALL_CHANGE and changes > threshold * max(total or 0, 1):
+            return Reason(
+                "CHANGE_TOO_LARGE",
+                f"{changes} changed rows in {name} exceed {threshold:g} of its {total} rows",
+                "a rebuild is cheaper; raise ivm_full_threshold to refresh incrementally anyway",
+            )
+    return None
+
+
+# After this many rebuilds in a row chosen by the cost rule, the next refresh
+# is incremental again, to measure it anew: a single slow incremental refresh
+# (a first MERGE into a new state, a cold JVM, a one-off compaction) must not
+# make every later refresh a rebuild.
+RETRY_AFTER = 3
+
+
+# An incremental refresh's cost before one was measured: on a 2-core machine a
+# Delta MERGE of a handful of rows with its delta query costs 2–5 s, on a
+# cluster less; a rebuild measured below this is taken as the cheaper path.
+INCREMENTAL_PRIOR_S = 2.0
+
+
+def cheaper_to_rebuild(costs: dict, changes: int) -> Optional[Reason]:
+    """Cost rule of ivm_policy='auto' (ivm_cost_rule='auto'): rebuild when the
+    newest rebuild cost less than this incremental refresh is estimated to.
+    The estimate is the newest incremental refresh's cost, grown with the
+    change (half of it taken as fixed cost), or INCREMENTAL_PRIOR_S when none
+    was measured. Without a measured rebuild, no opinion; after RETRY_AFTER of
+    its rebuilds in a row, none either (the next refresh measures anew).
+
+    >>> cheaper_to_rebuild({"full": 1.5}, 10).code
+    'REBUILD_CHEAPER'
+    >>> cheaper_to_rebuild({"full": 30.0, "incremental": (3.0, 1000)}, 1000) is None
+    True
+    >>> cheaper_to_rebuild({"full": 30.0, "incremental": (3.0, 1000)}, 100000).code
+    'REBUILD_CHEAPER'
+    >>> cheaper_to_rebuild({"full": 1.5, "rebuilt": RETRY_AFTER}, 10) is None  # measure again
+    True
+    """
+    full = costs.get("full")
+    if full is None or costs.get("rebuilt", 0) >= RETRY_AFTER:
+        return None
+    if costs.get("incremental"):
+        seconds, before = costs["incremental"]
+        estimate = seconds * max(1.0, 0.5 + 0.5 * changes / max(before, 1))
+        basis = f"the last incremental refresh took {seconds:.1f}s for {before} changed rows"
+    else:
+        estimate, basis = INCREMENTAL_PRIOR_S, "no incremental refresh measured yet"
+    if full >= estimate:
+        return None
+    return Reason(
+        "REBUILD_CHEAPER",
+        f"the last rebuild took {full:.1f}s; applying {changes} changed rows is estimated at "
+        f"{estimate:.1f}s ({basis})",
+        "ivm_cost_rule: off refreshes incrementally whenever the query and the change allow",
+    )
+
+
+def decide(
+    *,
+    policy: str,
+    full_refresh: bool,
+    state_exists: bool,
+    view_exists: bool,
+    watermark: Optional[Watermark],
+    sig: str,
+    sources: list[Source],
+    unsupported: Optional[Reason],
+) -> Decision:
+    """Pick the refresh strategy. Pure: every fact is an argument."""
+    if not state_exists or watermark is None:
+        if state_exists:
+            return Decision(FULL, Reason("NO_WATERMARK", "the state table has no dbt-ivm watermark"))
+        return Decision(CREATE, Reason("FIRST_BUILD", "the state table does not exist yet"))
+    if full_refresh:
+        return Decision(FULL, Reason("FULL_REFRESH", "--full-refresh was requested"))
+    if not view_exists:
+        return Decision(FULL, Reason("VIEW_MISSING", "the model's view is missing"))
+    if watermark.foreign:
+        return Decision(FULL, Reason(
+            "STATE_MODIFIED", f"the state table was written outside dbt-ivm at {watermark.foreign}",
+            "the model is rebuilt from its sources; change the sources, not the state table"))
+    if watermark.signature != sig:
+        return Decision(FULL, Reason(
+            "PLAN_SIGNATURE_MISMATCH", "the model SQL or a source schema changed since the last build"))
+    old, stamps = watermark.versions(), watermark.stamps()
+
+    def replaced(s: Source) -> bool:
+        """The commit at the version consumed is another one now: the table was
+        dropped and recreated (or replaced) and its versions started again."""
+        now = dict(s.stamps).get(old.get(s.physical))
+        return bool(stamps.get(s.physical)) and now is not None and now != stamps[s.physical]
+
+    changed = [s for s in sources
+               if s.kind in (OTHER, LAYERED) or old.get(s.physical) != s.version or replaced(s)]
+    if not changed:
+        return Decision(NOOP, Reason("NO_CHANGES", "no source changed since the last refresh"))
+    if policy == "full":
+        return Decision(FULL, Reason("POLICY_FULL", "ivm_policy is 'full'"))
+    if unsupported is not None:
+        return Decision(FULL, unsupported)
+    for s in changed:
+        if s.kind == LAYERED:
+            return Decision(FULL, Reason(
+                "SOURCE_LAYERED", f"source {s.name} is an incremental_mv with ivm_state_layout 'append': "
+                "its state table holds partial sums, not rows",
+                f"set ivm_state_layout: merge (or auto) on {s.name}"))
+        if s.kind == OTHER:
+            return Decision(FULL, Reason(
+                "SOURCE_NOT_DELTA", f"source {s.name} is not a Delta table",
+                "convert it with CONVERT TO DELTA or build it as a Delta table"))
+        if not s.cdf:
+            return Decision(FULL, Reason(
+                "CDF_DISABLED", f"source {s.name} has no change data feed",
+                f"set ivm_change_feed: true on the incremental_mv {s.name}" if s.kind == MV else
+                f"ALTER TABLE {s.physical} SET TBLPROPERTIES (delta.enableChangeDataFeed = true)"))
+        if s.physical not in old or s.version is None or s.version < old[s.physical] or replaced(s):
+            return Decision(FULL, Reason(
+                "SOURCE_VERSION_REWOUND", f"source {s.name} was recreated or restored since the last refresh"))
+    if policy == "partition":
+        return Decision(FULL, Reason("PARTITION_NOT_IMPLEMENTED", "the partition strategy is not implemented yet"))
+    return Decision(INCREMENTAL, None)

@@ -1,0 +1,122 @@
+"""The FULL strategy (and CREATE, the first build): the state rewritten from
+the sources pinned at their current versions, in one commit carrying the
+watermark; the model's view re-created only when its statement changed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Optional
+
+from dbt_ivm import apply
+from dbt_ivm.delta import Window
+from dbt_ivm.errors import IvmConfigError
+from dbt_ivm.names import canonical, string
+from dbt_ivm.plan import AGGREGATE, BAG
+from dbt_ivm.refresh.watermark import Watermark
+
+if TYPE_CHECKING:
+    from dbt_ivm.refresh.refresher import Refresher
+
+
+# Characters Delta allows in a column name only under column mapping.
+_DELTA_RESERVED_CHARS = frozenset(" ,;{}()\n\t=")
+
+
+def _properties(props: dict) -> str:
+    """A TBLPROPERTIES list: keys and values as string literals."""
+    return ", ".join(f"{string(k)} = {string(v)}" for k, v in props.items())
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_row_types(types: dict) -> None:
+    """A model kept as rows (a bag, DISTINCT, or any query rebuilt in full) is
+    stored one state row per distinct row, found by hashing and comparing its
+    values: Spark can do neither for a MAP (DATATYPE_MISMATCH.HASH_MAP_TYPE,
+    INVALID_ORDERING_TYPE). A config error naming the columns, before anything
+    is written.
+
+    >>> _check_row_types({"a": "int", "m": "map<string,int>"})
+    Traceback (most recent call last):
+    ...
+    dbt_ivm.errors.IvmConfigError: column(s) m are (or hold) a MAP: incremental_mv keeps a model's rows by hashing and comparing them, which Spark cannot do for maps. Convert them in the model, e.g. to_json(m) or map_entries(m).
+    """
+    maps = [c for c, t in types.items() if "map<" in str(t).lower()]
+    if maps:
+        raise IvmConfigError(
+            f"column(s) {', '.join(maps)} are (or hold) a MAP: incremental_mv keeps a model's rows by hashing "
+            "and comparing them, which Spark cannot do for maps. Convert them in the model, e.g. "
+            f"to_json({maps[0]}) or map_entries({maps[0]}).")
+
+
+def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optional[Watermark]) -> None:
+    pinned = apply.pinned_query(r.sql, sources, {s.physical: s.version for s in sources})
+    # Same signature (model SQL, source schemas, compiler) and no commit on
+    # the state since the watermark's: the query's types and the state's
+    # schema are the ones recorded, and the three DESCRIBE statements are skipped.
+    known = (state_exists and old is not None and old.signature == sig and bool(old.columns)
+             and old.state_version is not None and old.state_version == old.commit_version)
+    window = Window(new={s.physical: s.version for s in sources})
+    if known:
+        types, sums = dict(old.columns), dict(old.sums)
+    else:
+        types = {r[0].lower(): r[1] for r in r.ex.query(f"DESCRIBE QUERY {pinned}")}
+        args = apply.avg_args_query(plan, window)
+        sums = apply.avg_sum_types(plan, {r[0]: r[1] for r in r.ex.query(f"DESCRIBE QUERY {args}")}) if args else {}
+    if plan is not None:
+        body = apply.state_query(plan, window, {**types, **sums})
+        kind, columns = plan.kind, plan.columns
+    else:  # unsupported query: keep its rows as a bag, rebuilt each time
+        columns = list(types)
+        body = apply.bag_state_of_query(pinned, columns)
+        kind = BAG
+    if kind != AGGREGATE:
+        _check_row_types(types)
+    view = r.view_statement(plan, kind, columns, {**types, **sums})
+    # The view is re-created only when its statement changed (or it is gone):
+    # a CREATE OR REPLACE VIEW costs 0.1–0.9 s, a rebuild's whole budget at
+    # small sizes (BENCHMARKS.md).
+    key = _digest(view + json.dumps({**types, **sums}, sort_keys=True))
+    keep_view = r.view_present and r.view_key == key
+    r.view_key = key
+    wm = r.watermark_for(plan, sources, sig, decision, types, sums)
+    if known:
+        same, new_schema = True, []
+    else:
+        new_schema = [(r[0].lower(), r[1]) for r in r.ex.query(f"DESCRIBE QUERY {body}")]
+        same = state_exists and state_schema(r) == new_schema
+    if state_exists and not same:
+        r.ex.query(f"DROP TABLE {canonical(r.state)}")
+    if same:
+        r.set_properties(old)
+    # Column names Delta stores only under column mapping, and Delta refuses
+    # a CREATE ... AS SELECT with column mapping while a change feed is on:
+    # such a state is created (with the watermark) without the feed, and the
+    # feed is switched on after, where wanted (a metadata-only commit).
+    mapped = not same and any(set(n) & _DELTA_RESERVED_CHARS for n, _ in new_schema)
+    props = r.state_properties()
+    if mapped:
+        props = {**props, "delta.columnMapping.mode": "name", "delta.enableChangeDataFeed": "false"}
+    with r.commit(wm, old.commit_version if same and old else None):
+        if same:
+            r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {body}")
+        else:
+            r.ex.query(
+                f"CREATE TABLE {canonical(r.state)} USING delta TBLPROPERTIES ({_properties(props)}) AS {body}")
+    if mapped and r.change_feed:
+        r.ex.query(f"ALTER TABLE {canonical(r.state)} SET TBLPROPERTIES "
+                      f"({_properties({'delta.enableChangeDataFeed': 'true'})})")
+    if not (keep_view and same):  # a re-created state table gets a new view too
+        r.ex.query(view)
+
+
+def state_schema(r: "Refresher") -> list[tuple[str, str]]:
+    out = []
+    for row in r.ex.query(f"DESCRIBE TABLE {canonical(r.state)}"):
+        if not row[0] or row[0].startswith("#"):
+            break
+        out.append((row[0].lower(), row[1]))
+    return out

@@ -1,0 +1,219 @@
+"""The INCREMENTAL strategy: the change of the sources' feeds since the
+watermark applied to the state in one write — a MERGE (the merge layout; MIN/MAX
+groups whose kept values run out are probed and recomputed), or an appended
+layer of partial sums (the append layout, folded every few layers)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from dbt_ivm import apply
+from dbt_ivm.config import APPEND
+from dbt_ivm.delta import Window, materialized
+from dbt_ivm.errors import Reason
+from dbt_ivm.names import DIALECT, canonical, ident
+from dbt_ivm.plan import PREFIX, Plan
+from dbt_ivm.refresh.decide import INCREMENTAL, NOOP, Decision, Result
+from dbt_ivm.refresh.log import _as_map
+from dbt_ivm.refresh.watermark import Watermark, _failpoint
+
+if TYPE_CHECKING:
+    from dbt_ivm.refresh.refresher import Refresher
+
+
+PLAN_STRING, PLAN_STRING_LIMIT = "spark.sql.maxPlanStringLength", "65536"
+
+
+# The state is compacted after this many MERGEs that left deletion vectors.
+COMPACT_AFTER = 10
+
+
+# An append-layout state is compacted (its layers folded into one row per
+# group) after this many appends, or once the appended rows reach this
+# fraction of the rows the state had when last written whole.
+MAX_LAYERS = 10
+
+
+LAYER_FRACTION = 0.5
+
+
+def fold_due(layers: tuple, appended: int) -> bool:
+    """Whether an append-layout state is compacted after an append of
+    ``appended`` rows onto ``layers`` (append_layers of the history before it):
+    after MAX_LAYERS appends, or once the appended rows reach LAYER_FRACTION of
+    the rows last written whole. A read of the model folds every layer, so this
+    bounds what reads pay; each compaction rewrites the state once.
+
+    >>> fold_due((0, 0, 1000), 400), fold_due((1, 400, 1000), 100), fold_due((MAX_LAYERS - 1, 9, None), 1)
+    (False, True, True)
+    """
+    appends, rows, base = layers
+    appends, rows = appends + 1, rows + appended
+    return appends >= MAX_LAYERS or (base is not None and rows >= LAYER_FRACTION * max(base, 1))
+
+
+def run(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Result,
+                 broadcast: bool) -> None:
+    # The delta's shared pieces (an affected-key recompute's input deltas,
+    # touched keys and restricted inputs) become cached views of this
+    # session before the statement reading them runs, and are dropped after.
+    # Spark prints every statement's plan for its listeners, and a plan
+    # over cached views prints each view's own plan inside it: over nested
+    # pieces that text grows with the product of their sizes (TPC-H q20 ran
+    # the driver out of heap building it). Capped for the refresh.
+    with materialized(r.run_id) as pieces, r.session_confs({PLAN_STRING: PLAN_STRING_LIMIT}):
+        r.pieces, r.cached_pieces = pieces, []
+        try:
+            incremental_statements(r, plan, sources, watermark, result, broadcast)
+        finally:
+            for name in reversed(r.cached_pieces):
+                r.ex.query(f"DROP VIEW IF EXISTS {ident(name)}")
+
+
+def cache_pieces(r: "Refresher") -> None:
+    """CACHE TABLE each shared piece built since the last call, in order
+    (a piece reads the ones before it)."""
+    for name, query in r.pieces.items[len(r.cached_pieces):]:
+        r.ex.query(f"CACHE TABLE {ident(name)} AS {query.sql(dialect=DIALECT)}")
+        r.cached_pieces.append(name)
+
+
+def incremental_statements(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Result,
+                            broadcast: bool) -> None:
+    old = watermark.versions()
+    window = Window(old=old, new={s.physical: s.version for s in sources}, broadcast=broadcast)
+    result.changed_sources = [s.name for s in sources if window.changed(s)]
+    if r.layout == APPEND:
+        append_layer(r, plan, sources, watermark, result, window)
+        return
+    change = apply.aggregate_change(plan, window) if plan.has_minmax else None
+    if change is None:
+        merge(r, plan, sources, watermark, result, window, None, None, 0)
+        return
+    # MIN/MAX, optimistic first: nearly always no group's kept top-k runs out,
+    # so the MERGE runs without a probe; if one does run out, the MERGE fails
+    # before it commits (apply.RAN_OUT) and the refresh probes. After a
+    # refresh that had to recompute groups, the next one probes first.
+    if not watermark.recomputed:
+        try:
+            merge(r, plan, sources, watermark, result, window, None, None, 0)
+            return
+        except Exception as e:
+            if apply.RAN_OUT not in str(e):
+                raise
+            result.notes.append("a MIN/MAX group's kept values ran out: probed, then merged again")
+    # The probe: the per-group change is computed once and cached; from it and
+    # the state, the groups whose kept top-k this window empties (cached
+    # too); the MERGE reads both, and snapshots only for those groups.
+    # Temporary views of this session, dropped after the write.
+    views: list[str] = []
+
+    def cached(name: str, query: str) -> str:
+        cache_pieces(r)
+        view = f"{PREFIX}{name}_{r.run_id}"
+        r.ex.query(f"CACHE TABLE {ident(view)} AS {query}")
+        views.append(view)
+        return f"SELECT * FROM {ident(view)}"
+
+    try:
+        change = cached("change", change)
+        groups = cached("recompute", apply.recompute_groups(plan, r.state, window, change))
+        count = int(r.ex.query(f"SELECT count(*) FROM ({groups}) AS {PREFIX}g")[0][0])
+        r.recomputed = count
+        merge(r, plan, sources, watermark, result, window, change, groups if count else None, count)
+    finally:
+        for view in views:
+            r.ex.query(f"DROP VIEW IF EXISTS {ident(view)}")
+
+
+def merge(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Result, window: Window,
+           change: Optional[str], groups: Optional[str], recompute: int) -> None:
+    merge = apply.merge_statement(plan, r.state, window, watermark.typed(), groups, change)
+    wm = r.watermark_for(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns,
+                         watermark.sums)
+    if merge is None:
+        return
+    cache_pieces(r)
+    r.set_properties(watermark)
+    # Our MERGE source is small but expensive (deltas joined with snapshots):
+    # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
+    with r.commit(wm, watermark.commit_version, {"spark.databricks.delta.merge.materializeSource": "all"}):
+        _failpoint("before_commit", r.relation)
+        rows = r.ex.query(merge)
+        _failpoint("after_commit", r.relation)
+    # Delta skips a write whose (txnAppId, txnVersion) it has already committed
+    # and returns no metrics row: look at the history only then.
+    if not rows or not any(int(v or 0) for v in rows[0]):
+        if r.my_commit() is None:
+            result.strategy = NOOP
+            result.reason = Reason("ALREADY_APPLIED", "a concurrent refresh already applied this change")
+            return
+    if rows:
+        names = ("affected", "updated", "deleted", "inserted")
+        result.rows = {n: int(v) for n, v in zip(names, rows[0]) if v is not None}
+    if recompute:
+        result.rows["recomputed_groups"] = recompute
+    if watermark.dv_merges + 1 >= COMPACT_AFTER:
+        compact(r, result)
+
+
+def append_layer(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Result, window: Window) -> None:
+    """The append layout's one write: the window's per-group change as a layer
+    of rows, carrying the watermark and the idempotency key as the MERGE does;
+    then, every few layers, compaction (_fold)."""
+    types = watermark.typed()
+    insert = apply.append_statement(plan, r.state, window, types)
+    if insert is None:
+        return
+    cache_pieces(r)
+    r.set_properties(watermark)
+    if watermark.layout != APPEND:
+        # The folding view first: it reads a state without layers the same
+        # as the plain one, so the model is right whatever happens next.
+        r.create_view(plan, plan.kind, plan.columns, types)
+    wm = r.watermark_for(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns,
+                         watermark.sums)
+    with r.commit(wm, watermark.commit_version):
+        _failpoint("before_commit", r.relation)
+        r.ex.query(insert)
+        _failpoint("after_commit", r.relation)
+    # An INSERT returns no metrics: the history says whether it committed
+    # (Delta skips a write whose idempotency key it has committed already).
+    mine = r.my_commit()
+    if mine is None:
+        result.strategy = NOOP
+        result.reason = Reason("ALREADY_APPLIED", "a concurrent refresh already applied this change")
+        return
+    appended = int(str(_as_map(mine[12]).get("numOutputRows") or 0).strip('"'))
+    result.rows = {"appended": appended}
+    if fold_due(watermark.layers if watermark.layout == APPEND else (0, 0, None), appended):
+        fold(r, plan, types, result)
+
+
+def fold(r: "Refresher", plan: Plan, types: dict, result: Result) -> None:
+    """Compaction of the append layout: the state rewritten as its folded rows
+    (one per group; a commit that changes no group's sums, after the
+    refresh's own). A layer appended meanwhile by another refresh makes
+    Delta reject the overwrite (it read the table: ConcurrentAppendException,
+    checked by hand), never lose the layer; an append that commits after it
+    conflicts with nothing. Maintenance only: a failure leaves the refresh as
+    it is and is retried next time."""
+    try:
+        with r.maintenance():
+            r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {apply.folded_state(plan, r.state, types)}")
+        result.rows["compacted"] = 1
+    except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
+        result.rows["compaction_failed"] = 1
+        result.notes.append(f"compaction of {r.state} failed: {str(e)[:200]}")
+
+
+def compact(r: "Refresher", result: Result) -> None:
+    """Rewrite the state without the rows its MERGEs marked deleted (a commit
+    with no row changes, after the refresh's own). Maintenance only: a failure
+    (a concurrent writer) leaves the refresh as it is and is retried next time."""
+    try:
+        r.ex.query(f"OPTIMIZE {canonical(r.state)}")
+        result.rows["compacted"] = 1
+    except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
+        result.rows["compaction_failed"] = 1
+        result.notes.append(f"compaction of {r.state} failed: {str(e)[:200]}")

@@ -1,0 +1,397 @@
+"""One refresh of one model: gather facts, decide a strategy, run it.
+
+The decision (decide.py) is a pure function of catalog facts and the stored
+watermark; each strategy (incremental.py, partition.py, full.py) is a
+``run(refresher, ...)`` over the small interface this class gives them: the
+executor, the state's names and properties, the watermark to commit and the
+session confs of the one write (``commit``). Everything goes through a tiny
+``Executor`` protocol so the adapter can hand in its dbt connection and tests
+a fake.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Optional
+
+from dbt_ivm import apply
+from dbt_ivm.catalog import Catalog
+from dbt_ivm.config import APPEND, MERGE, validate_config
+from dbt_ivm.delta import table_changes
+from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
+from dbt_ivm.names import DIALECT, canonical, set_value
+from dbt_ivm.plan import BAG, Plan, build_plan, referenced_tables, signature
+from dbt_ivm.refresh import full, incremental
+from dbt_ivm.refresh.decide import (
+    _REBUILD_REASONS, CREATE, FULL, INCREMENTAL, NOOP, SMALL_CHANGE, Decision, Result, cheaper_to_rebuild,
+    decide, too_large,
+)
+from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, describe_source, relations_present
+from dbt_ivm.refresh.full import _digest, _properties
+from dbt_ivm.refresh.log import Executor, describe_history, history_head, window_estimate
+from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, read_watermark, state_name
+from sqlglot import exp
+
+
+# ivm_state_layout='auto' keeps an eligible aggregate's state as appended layers
+# once a commit of the state wrote this much (see Refresher._settle_layout).
+APPEND_AUTO_BYTES = 2 << 20
+
+
+# ivm_deletion_vectors='auto' turns them on once a commit of the state table
+# wrote this much (written_bytes; a rebuild writes all of it). A
+# MERGE into a state with deletion vectors marks the rows it replaces instead of
+# rewriting every file it touches: measured (BENCHMARKS.md) ~1 s cheaper on a
+# 2.4 MiB state, 35-50 % on 26-46 MiB states, and 0.3-1 s dearer on states of
+# 1.6 MiB and less.
+DV_AUTO_BYTES = 2 << 20
+
+
+# Changes up to this many rows are broadcast into joins (see delta.Window.broadcast).
+BROADCAST_ROWS = 500_000
+
+
+# Errors meaning the change feed or an old snapshot of the window is gone.
+_MISSING_HISTORY = re.compile(
+    r"DELTA_MISSING_CHANGE_DATA|DELTA_CHANGE_DATA_FILE_NOT_FOUND|DELTA_CHANGE_TABLE_FEED_DISABLED"
+    r"|DELTA_FILE_NOT_FOUND|DELTA_LOG_FILE_NOT_FOUND|DELTA_VERSIONS_NOT_CONTIGUOUS"
+    r"|DELTA_CANNOT_TIME_TRAVEL|DELTA_VERSION_NOT_FOUND|VersionNotFoundException|FileNotFoundException"
+)
+
+
+def _cdf_unavailable(e: BaseException) -> Reason:
+    return Reason(
+        "CDF_UNAVAILABLE", f"the change data feed does not cover the window: {str(e)[:200]}",
+        "keep delta.enableChangeDataFeed on and refresh more often than the feed's retention "
+        "(for an incremental_mv read by a model outside this dbt project, set ivm_change_feed: true on it)")
+
+
+class Refresher:
+    """Runs one refresh of one model through an Executor."""
+
+    def __init__(self, ex: Executor, sql: str, relation: str, config: dict, full_refresh: bool):
+        self.ex = ex
+        self.sql = sql
+        self.relation = canonical(relation)
+        self.state = state_name(self.relation)
+        self.config = validate_config(config)
+        self.full_refresh = full_refresh
+        self.run_id = uuid.uuid4().hex
+        self.sized = False  # _change_sizes ran: self.source_rows holds the new versions' counts
+        self.recomputed = 0  # MIN/MAX groups this refresh recomputes (recorded in the watermark)
+        self.started: Optional[float] = None
+        self.view_key = ""  # digest of the model's view statement once this refresh is done (Watermark.view)
+        self.changes: Optional[int] = None  # changed source rows an incremental refresh applies
+        # The state's own change feed costs every write ~30 %; it is kept only for
+        # readers of it: incremental_mv models built on this one.
+        feed = self.config["ivm_change_feed"]
+        self.change_feed = feed == "true" or (feed == "auto" and self.config["ivm_mv_dependents"])
+        # Deletion vectors make a MERGE into a big state cheaper (it marks the rows
+        # it replaces instead of rewriting the files it touches) and one into a
+        # small state dearer; 'auto' is settled by the state's size (_settle_dvs).
+        dvs = self.config["ivm_deletion_vectors"]
+        self.deletion_vectors: Optional[bool] = None if dvs == "auto" else dvs == "true"
+        self.layout = MERGE  # settled per refresh (_settle_layout)
+
+    def run(self) -> Result:
+        start = self.started = time.time()
+        self.histories: dict = {}
+        sources = [describe_source(self.ex, n, self.histories) for n in referenced_tables(self.sql)]
+        catalog = Catalog({s.name: s for s in sources})
+        plan, unsupported = self._plan(catalog)
+        sig = signature(self.sql, sources)
+        present = relations_present(self.ex, [self.state, self.relation])
+        state_exists = self.state in present
+        _, watermark = read_watermark(self.ex, self.state) if state_exists else (None, None)
+        # Row counts the watermark recorded (see _change_sizes); carried forward.
+        self.source_rows = {canonical(s["physical"]): s.get("rows") for s in (watermark.sources if watermark else [])}
+        decision = decide(
+            policy=self.config["ivm_policy"], full_refresh=self.full_refresh,
+            state_exists=state_exists, view_exists=self.relation in present,
+            watermark=watermark, sig=sig, sources=sources,
+            unsupported=unsupported.reason if unsupported else None,
+        )
+        self.view_present = self.relation in present
+        self.view_key = watermark.view if watermark else ""
+        self._check_layout(plan)
+        self._check_feed_columns(plan)
+        self._allowed(decision)
+        sizes = {}
+        if decision.strategy == INCREMENTAL:
+            try:
+                sizes = self._change_sizes(sources, watermark)
+            except Exception as e:  # the feed does not cover the window (enabled late, vacuumed)
+                sizes, decision = {}, Decision(FULL, _cdf_unavailable(e))
+                self._allowed(decision, e)
+            costly = too_large(sizes, self.config["ivm_full_threshold"])
+            self.changes = sum(c for c, _ in sizes.values())
+            if decision.strategy == FULL:
+                pass
+            elif costly and self.config["ivm_policy"] == "auto":
+                decision = Decision(FULL, costly)
+            elif not any(c for c, _ in sizes.values()):
+                # New versions without changed rows (an UPDATE matching nothing, an
+                # upstream MERGE that changed no row): nothing to write. The
+                # watermark stays; the empty range is re-read cheaply next time.
+                decision = Decision(NOOP, Reason("NO_ROW_CHANGES", "sources have new versions but no changed rows"))
+            elif self.config["ivm_policy"] == "auto" and self.config["ivm_cost_rule"] == "auto":
+                cheaper = cheaper_to_rebuild(watermark.costs, self.changes)
+                if cheaper:
+                    decision = Decision(FULL, cheaper)
+        self._settle_dvs(watermark, decision.strategy == INCREMENTAL)
+        self._settle_layout(plan, watermark, decision.strategy == INCREMENTAL)
+        if decision.strategy == INCREMENTAL and watermark.layout == APPEND and self.layout != APPEND:
+            decision = Decision(FULL, Reason(
+                "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
+        result = Result(decision.strategy, decision.reason)
+        result.sizes = {n: c for n, (c, _) in sizes.items()}
+        if decision.strategy == INCREMENTAL:
+            small = sum(result.sizes.values()) <= BROADCAST_ROWS
+            try:
+                incremental.run(self, plan, sources, watermark, result, small)
+            except Exception as e:
+                # The window's change files or old snapshot are gone (VACUUM, log
+                # cleanup): nothing was written; rebuild instead, unless told not to.
+                if not _MISSING_HISTORY.search(str(e)):
+                    raise
+                decision = Decision(FULL, _cdf_unavailable(e))
+                self._allowed(decision, e)
+                result.strategy, result.reason = decision.strategy, decision.reason
+        if decision.strategy in (CREATE, FULL):
+            full.run(self, plan, sources, sig, decision, state_exists, watermark)
+        result.seconds = time.time() - start
+        return result
+
+    def _allowed(self, decision: Decision, cause: Optional[BaseException] = None) -> None:
+        """Under ivm_policy='incremental' a fallback to FULL is an error naming the
+        reason (rebuilds that are by nature — first build, --full-refresh, changed
+        SQL — still run)."""
+        if (
+            self.config["ivm_policy"] == "incremental"
+            and decision.strategy == FULL
+            and decision.reason.code not in _REBUILD_REASONS
+        ):
+            raise IvmError(
+                f"ivm_policy is 'incremental' but the refresh of {self.relation} cannot be "
+                f"incremental: {decision.reason.message()}"
+            ) from cause
+
+    # ----------------------------------------------------------------- steps
+
+    def _plan(self, catalog: Catalog) -> tuple[Optional[Plan], Optional[UnsupportedQuery]]:
+        try:
+            return build_plan(self.sql, catalog), None
+        except UnsupportedQuery as u:
+            return None, u
+
+    def watermark_for(self, plan, sources, sig, decision, types, sums) -> Watermark:
+        return Watermark(
+            signature=sig, kind=plan.kind if plan else BAG, sql=self.sql, columns=types, sums=sums,
+            sources=[
+                {"name": s.name, "kind": s.kind, "physical": s.physical, "multiplicity": s.multiplicity,
+                 "columns": [list(c) for c in s.columns], "version": s.version,
+                 "committed": dict(s.stamps).get(s.version),
+                 "rows": self.source_rows.get(s.physical) if self.sized else None}
+                for s in sources
+            ],
+            strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
+            change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
+            recomputed=self.recomputed, layout=self.layout, started=self.started,
+            changes=self.changes if decision.strategy == INCREMENTAL else None, view=self.view_key,
+        )
+
+    def view_statement(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> str:
+        """The model's relation: a view over the state (folding its layers under
+        the append layout); its properties tell readers where the state is."""
+        folded = apply.folded_state(plan, self.state, types) if self.layout == APPEND else None
+        return (
+            f"CREATE OR REPLACE VIEW {canonical(self.relation)} "
+            f"TBLPROPERTIES ({_properties({PROP_STATE: self.state, PROP_KIND: kind, PROP_LAYOUT: self.layout})}) "
+            f"AS {apply.view_query(kind, columns, self.state, folded)}"
+        )
+
+    def create_view(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> None:
+        statement = self.view_statement(plan, kind, columns, types)
+        self.ex.query(statement)
+        self.view_key = _digest(statement + json.dumps(types, sort_keys=True))
+
+    def _check_feed_columns(self, plan: Optional[Plan]) -> None:
+        """Delta 4.4 fails every UPDATE or MERGE of a table with a change feed
+        whose column name holds a backtick (INVALID_ATTRIBUTE_NAME_SYNTAX on its
+        internal `packedData.<name>`, with or without column mapping; checked by
+        hand). A maintained state with a change feed is written by MERGEs: a
+        config error before anything is written, naming the columns."""
+        if plan is None or not self.change_feed:
+            return
+        ticks = [c for c in plan.columns if "`" in c]
+        if ticks:
+            raise IvmConfigError(
+                f"column(s) {', '.join(ticks)} hold a backtick, and an incremental_mv reads this model through "
+                "its state's change feed: Delta cannot update such a table. Rename the column(s) with an alias.")
+
+    def _check_layout(self, plan: Optional[Plan]) -> None:
+        """ivm_state_layout='append' where it cannot hold: a config error, before
+        anything is written."""
+        if self.config["ivm_state_layout"] != APPEND:
+            return
+        if not apply.append_eligible(plan):
+            raise IvmConfigError(
+                "ivm_state_layout 'append' keeps a state as appended layers of partial sums: it needs a "
+                "GROUP BY or scalar aggregate of COUNT, SUM and AVG only (no MIN/MAX, DISTINCT or plain "
+                "rows) that refreshes incrementally. Use ivm_state_layout: auto or merge for this model.")
+        if self.config["ivm_mv_dependents"]:
+            raise IvmConfigError(
+                "ivm_state_layout 'append' cannot serve an incremental_mv that reads this model: such a "
+                "reader follows the state's change feed, which would hold partial sums. Use "
+                "ivm_state_layout: auto or merge for this model.")
+
+    def _settle_layout(self, plan: Optional[Plan], old: Optional[Watermark], incr: bool) -> None:
+        """The state's layout for this refresh. merge: one row per group, updated
+        in place by a MERGE. append: each refresh appends the window's per-group
+        change as a layer of rows and the view sums a group's rows (folded_state);
+        compacted every few layers. An append writes only the change (a MERGE
+        rewrites or marks every state file the change touches), at the cost of
+        reads that aggregate. 'auto' picks append for an eligible plan no
+        incremental_mv reads once a commit of its state wrote APPEND_AUTO_BYTES
+        (read from the history, no query); once append, it stays append."""
+        want = self.config["ivm_state_layout"]
+        if want != "auto":
+            self.layout = want
+        elif not apply.append_eligible(plan) or self.config["ivm_mv_dependents"] or old is None:
+            self.layout = MERGE
+        elif old.layout == APPEND or (incr and old.written_bytes >= APPEND_AUTO_BYTES):
+            self.layout = APPEND
+        else:
+            self.layout = MERGE
+
+    def _settle_dvs(self, old: Optional[Watermark], incr: bool) -> None:
+        """ivm_deletion_vectors='auto': on from the first incremental refresh that
+        finds the state big (one of its recent commits wrote DV_AUTO_BYTES or
+        more: read from the history the watermark came from, no query); once on,
+        they stay on. A rebuild keeps what the state had."""
+        if self.deletion_vectors is not None:
+            return
+        self.deletion_vectors = bool(old and old.deletion_vectors)
+        if incr and old is not None and not self.deletion_vectors:
+            self.deletion_vectors = old.written_bytes >= DV_AUTO_BYTES
+
+    def state_properties(self) -> dict:
+        """The Delta properties the state table should have. With deletion
+        vectors the refresh compacts the state every COMPACT_AFTER MERGEs that
+        left some."""
+        return {
+            "delta.enableChangeDataFeed": "true" if self.change_feed else "false",
+            "delta.enableDeletionVectors": "true" if self.deletion_vectors else "false",
+        }
+
+    def set_properties(self, old: Optional[Watermark]) -> None:
+        """Set the state table's properties that differ from what the last
+        watermark recorded (a metadata-only commit, made before the refresh's one
+        write; harmless when repeated)."""
+        had = {} if old is None else {  # unrecorded: what the state tables of older versions had
+            "delta.enableChangeDataFeed": "false" if old.change_feed is False else "true",
+            "delta.enableDeletionVectors": "true" if old.deletion_vectors else "false",
+        }
+        wanted = {k: v for k, v in self.state_properties().items() if had.get(k) != v}
+        if wanted:
+            self.ex.query(f"ALTER TABLE {canonical(self.state)} SET TBLPROPERTIES ({_properties(wanted)})")
+
+    def _change_sizes(self, sources, watermark: Watermark) -> dict:
+        """(changed rows, rows now) of each changed source. The changed rows come
+        from the window's commit metrics (metadata, no Spark job); only where those
+        do not say is the change feed counted. Rows now matter only for changes big
+        enough for the cost rule: the count the watermark recorded plus the
+        window's net rows from the same metrics, else counted (from Delta's file
+        statistics) and recorded for the next refresh (``self.source_rows``)."""
+        old = watermark.versions()
+        sizes: dict = {}
+        counts: dict = {}  # source name -> SQL of a scalar count
+        derived: dict = {}  # source name -> rows now, from the recorded count and the metrics
+        for s in sources:
+            if old.get(s.physical) == s.version:
+                continue
+            lo, hi = int(old[s.physical]), int(s.version)
+            history = self.histories.get(s.physical) or []
+            if hi - lo > len(history):
+                _, history = history_head(self.ex, s.physical, depth=hi - lo)
+            estimate, net = window_estimate(history, lo, hi)
+            before = self.source_rows.get(s.physical)
+            derived[s.name] = before + net if before is not None and net is not None else None
+            if derived[s.name] is not None and derived[s.name] < 0:  # metrics we misread: count again
+                derived[s.name] = None
+            self.source_rows[s.physical] = derived[s.name]
+            if estimate is None:
+                counts[s.name] = "(" + exp.select("count(*)").from_(table_changes(s.physical, lo + 1, hi)).where(
+                    exp.column("_change_type").neq(exp.Literal.string("update_preimage"))).sql(DIALECT) + ")"
+            sizes[s.name] = [estimate, None, s]
+        if counts:  # one statement for all of them
+            row = self.ex.query("SELECT " + ", ".join(counts.values()))[0]
+            for n, value in zip(counts, row):
+                sizes[n][0] = int(value)
+        big = {n: v for n, v in sizes.items() if v[0] > SMALL_CHANGE}
+        for n in list(big):
+            if derived.get(n) is not None:
+                sizes[n][1] = derived[n]
+                del big[n]
+        if big:
+            row = self.ex.query("SELECT " + ", ".join(
+                f"(SELECT count(*) FROM {canonical(v[2].physical)} VERSION AS OF {int(v[2].version)})"
+                for v in big.values()))[0]
+            for n, value in zip(big, row):
+                sizes[n][1] = int(value)
+                self.source_rows[big[n][2].physical] = int(value)
+        self.sized = True
+        return {n: (c, t) for n, (c, t, _) in sizes.items()}
+
+    def my_commit(self) -> Optional[tuple]:
+        """The state's recent commit made by this refresh (its DESCRIBE HISTORY
+        row), or None: Delta skipped the write, a concurrent refresh having
+        committed the same idempotency key first."""
+        for row in describe_history(self.ex, self.state, 5):
+            wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+            if wm is not None and wm.run == self.run_id:
+                return row
+        return None
+
+    def commit(self, wm: Watermark, version: Optional[int], extra: Optional[dict] = None):
+        """Session confs around the one write: the watermark rides in the commit
+        (userMetadata) and (app, version) makes the write idempotent. ``version`` is
+        the version of the commit holding the watermark the write starts from (not
+        the table's current version, which other commits — OPTIMIZE, a change-feed
+        switch — move): two refreshes from the same watermark carry the same txn
+        version, and Delta skips the second."""
+        confs = {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json(), **(extra or {})}
+        if version is not None:
+            confs["spark.databricks.delta.write.txnAppId"] = f"dbt_ivm:{self.state}"
+            confs["spark.databricks.delta.write.txnVersion"] = str(version)
+        return self.session_confs(confs)
+
+    def maintenance(self):
+        """Session confs around a maintenance write of the state (compaction):
+        its commit is marked as dbt-ivm's own, so it is not taken for a write
+        from outside (STATE_MODIFIED)."""
+        return self.session_confs({"spark.databricks.delta.commitInfo.userMetadata": MAINTENANCE_MARK})
+
+    def session_confs(self, confs: dict):
+        ex = self.ex
+
+        # An executor may set session confs directly (the embedded session);
+        # otherwise SET / RESET statements.
+        direct = getattr(ex, "session_conf", None)
+
+        class _Ctx:
+            def __enter__(self_):
+                if direct is None or not direct(confs):
+                    for k, v in confs.items():
+                        ex.query(f"SET {k}={set_value(v)}")
+
+            def __exit__(self_, *exc):
+                if direct is None or not direct(confs, reset=True):
+                    for k in confs:
+                        ex.query(f"RESET {k}")
+                return False
+
+        return _Ctx()

@@ -1,0 +1,199 @@
+"""The watermark: what a state table holds (the source versions consumed, the
+plan signature, the state's layout), stored as JSON in the userMetadata of the
+very commit that wrote those rows — the source of truth for exactly-once.
+Read back from the state's history with what that history says since."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
+
+from dbt_ivm.catalog import MV, Source
+from dbt_ivm.config import MERGE
+from dbt_ivm.names import canonical, suffixed
+from dbt_ivm.refresh.decide import CREATE, FULL, INCREMENTAL
+from dbt_ivm.refresh.log import (
+    _NO_ROW_CHANGE_OPS, Executor, _epoch, append_layers, describe_history, dv_merges, written_bytes,
+)
+
+
+STATE_SUFFIX = "__ivm_state"
+
+
+WATERMARK_FORMAT = 1
+
+
+# Watermark fields filled in when it is read back, never stored.
+_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes", "layers", "foreign",
+                        "costs"})
+
+
+@dataclass
+class Watermark:
+    """What the state holds: stored as JSON in the commit that wrote it."""
+
+    signature: str
+    kind: str
+    sql: str
+    columns: dict  # visible column -> spark type
+    sources: list  # [{name, kind, physical, multiplicity, columns, version}]
+    strategy: str = ""
+    reason: str = ""
+    change_feed: Optional[bool] = None  # the state table's own change feed (None: written before it was recorded, on)
+    run: str = ""  # id of the refresh that wrote it: tells our commit from a concurrent one's
+    deletion_vectors: Optional[bool] = None  # the state table's deletion vectors (None: written before, off)
+    state_version: Optional[int] = None  # filled in when read back: the state table's current version
+    commit_version: Optional[int] = None  # ... and the version of the commit that holds this watermark
+    dv_merges: int = 0  # ... and the MERGEs that left deletion vectors since the state was last rewritten
+    written_bytes: int = 0  # ... and the most bytes one of its recent commits wrote (see written_bytes)
+    recomputed: int = 0  # MIN/MAX groups its refresh recomputed (> 0: the next one probes first)
+    layout: str = MERGE  # the state's layout (ivm_state_layout; written before it was recorded: merge)
+    layers: tuple = (0, 0, None)  # ... and append_layers of its recent commits
+    foreign: str = ""  # ... and a write of the state made outside dbt-ivm since (foreign_write)
+    started: Optional[float] = None  # when its refresh started (epoch seconds): its commit's time minus this is its cost
+    changes: Optional[int] = None  # the changed source rows its (incremental) refresh applied
+    view: str = ""  # digest of the view statement over the state (a rebuild re-creates the view only if it differs)
+    costs: dict = field(default_factory=dict)  # ... and measured_costs of its recent commits
+    sums: dict = field(default_factory=dict)  # AVG sum state column -> Spark's sum type (apply.avg_sum_types)
+
+    def typed(self) -> dict:
+        """The types the state's statements are built with: the visible columns'
+        and the AVG sums'."""
+        return {**self.columns, **self.sums}
+
+    def stamps(self) -> dict:
+        """Physical table -> the timestamp of the commit at the version consumed
+        (None: not recorded)."""
+        return {canonical(s["physical"]): s.get("committed") for s in self.sources}
+
+    def versions(self) -> dict:
+        return {canonical(s["physical"]): s["version"] for s in self.sources if s["version"] is not None}
+
+    def source_objects(self) -> list[Source]:
+        return [
+            Source(
+                name=s["name"], columns=tuple(map(tuple, s["columns"])), kind=s["kind"],
+                version=s["version"], state_table=s["physical"] if s["kind"] == MV else None,
+                multiplicity=s["multiplicity"],
+            )
+            for s in self.sources
+        ]
+
+    def to_json(self) -> str:
+        body = {k: v for k, v in asdict(self).items() if k not in _READ_BACK}
+        text = json.dumps({"dbt_ivm": WATERMARK_FORMAT, **body}, separators=(",", ":"))
+        # No backtick in the text (JSON may escape any character): over a SQL
+        # connection it is set as a back-quoted SET value (names.set_value).
+        return text.replace("`", "\\u0060")
+
+    @classmethod
+    def from_json(cls, text: Optional[str]) -> Optional["Watermark"]:
+        try:
+            data = json.loads(text or "")
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or data.get("dbt_ivm") != WATERMARK_FORMAT:
+            return None
+        data.pop("dbt_ivm")
+        known = {f.name for f in fields(cls)} - _READ_BACK
+        return cls(**{k: v for k, v in data.items() if k in known})  # newer writers may add keys
+
+
+def state_name(relation: str) -> str:
+    """The canonical name of a model's state table, beside its relation."""
+    return suffixed(relation, STATE_SUFFIX)
+
+
+def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Watermark]]:
+    """The state table's current version and the newest watermark in its history."""
+    # The newest commits first; the whole history only if someone else (OPTIMIZE,
+    # a manual fix) committed many times since our last refresh.
+    for limit in (20, None):
+        rows = describe_history(ex, state, limit)
+        if not rows:
+            return None, None
+        # DESCRIBE HISTORY columns: version, timestamp, userId, userName, operation,
+        # operationParameters, job, notebook, clusterId, readVersion, isolationLevel,
+        # isBlindAppend, operationMetrics, userMetadata, engineInfo
+        current = int(rows[0][0])
+        for at, row in enumerate(rows):
+            wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+            if wm is not None:
+                wm.foreign = foreign_write(rows[:at])
+                wm.state_version, wm.commit_version = current, int(row[0])
+                wm.dv_merges, wm.written_bytes = dv_merges(rows), written_bytes(rows)
+                wm.layers = append_layers(rows)
+                wm.costs = measured_costs(rows)
+                return current, wm
+        if limit and len(rows) < 20:
+            break
+    return current, None
+
+
+def measured_costs(history: list[tuple]) -> dict:
+    """What the newest rebuild and the newest incremental refresh among these
+    commits (DESCRIBE HISTORY rows, newest first) cost: the time from the
+    refresh's start (its watermark's ``started``) to its commit. ``full``:
+    seconds; ``incremental``: (seconds, changed rows applied); ``rebuilt``:
+    the cost rule's rebuilds (REBUILD_CHEAPER) newer than that incremental one.
+
+    >>> import datetime as d
+    >>> t0 = d.datetime(2026, 1, 1, 12, 0, 0)
+    >>> wm = lambda strategy, changes=None: Watermark("s", "bag", "q", {}, [], strategy=strategy,
+    ...     started=t0.timestamp(), changes=changes).to_json()
+    >>> rows = [(2, t0 + d.timedelta(seconds=4), *[None] * 11, wm("INCREMENTAL", 50)),
+    ...         (1, t0 + d.timedelta(seconds=3), *[None] * 11, wm("FULL"))]
+    >>> measured_costs(rows)
+    {'rebuilt': 0, 'incremental': (4.0, 50), 'full': 3.0}
+    """
+    out: dict = {"rebuilt": 0}
+    for row in history:
+        wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+        if wm is not None and "incremental" not in out and wm.reason == "REBUILD_CHEAPER":
+            out["rebuilt"] += 1
+        end = _epoch(row[1])
+        if wm is None or wm.started is None or end is None or not 0 <= end - wm.started < 86400:
+            continue
+        seconds = round(end - wm.started, 3)
+        if wm.strategy in (CREATE, FULL) and "full" not in out:
+            out["full"] = seconds
+        elif wm.strategy == INCREMENTAL and "incremental" not in out:
+            out["incremental"] = (seconds, int(wm.changes or 0))
+    return out
+
+
+# userMetadata of dbt-ivm's maintenance writes of a state (compaction).
+MAINTENANCE_MARK = '{"dbt_ivm_maintenance":1}'
+
+
+def foreign_write(newer: list[tuple]) -> str:
+    """The first write that changed rows of a state table without being a
+    dbt-ivm refresh or maintenance (DESCRIBE HISTORY rows newer than the
+    newest watermark, newest first), as 'version N (OPERATION)'; '' when none.
+    A hand-made DELETE, UPDATE, INSERT or RESTORE of the state would make every
+    later incremental refresh build on rows the watermark does not describe.
+
+    >>> foreign_write([(5, None, None, None, "OPTIMIZE", {}, None, None, None, 4, None, False, {}, None),
+    ...                (4, None, None, None, "DELETE", {}, None, None, None, 3, None, False, {}, None)])
+    'version 4 (DELETE)'
+    >>> foreign_write([(4, None, None, None, "WRITE", {}, None, None, None, 3, None, False, {}, MAINTENANCE_MARK)])
+    ''
+    """
+    for row in reversed(newer):
+        op = str(row[4] or "").upper()
+        mark = row[13] if len(row) > 13 else None
+        if op not in _NO_ROW_CHANGE_OPS and mark != MAINTENANCE_MARK:
+            return f"version {int(row[0])} ({op})"
+    return ""
+
+
+def _failpoint(name: str, relation: str) -> None:
+    """Crash-test hook: ``DBT_IVM_FAILPOINT=<name>`` kills the process here
+    (SIGKILL, no cleanup), as a power cut would; ``<name>:<relation>`` only in
+    that model's refresh. Used by the exactly-once tests."""
+    point, _, model = os.environ.get("DBT_IVM_FAILPOINT", "").partition(":")
+    if point == name and (not model or canonical(model) == relation):
+        os.kill(os.getpid(), signal.SIGKILL)
