@@ -35,6 +35,12 @@ class Source:
     # tells a table dropped and recreated (versions start again) from the one
     # a refresh consumed
     stamps: tuple = ()
+    # The physical table's partition columns (for an incremental_mv, its state's).
+    partitions: tuple = ()
+    # A table that is not Delta: its files, as ((partition values...), digest of
+    # the partition's file names, sizes and modification times) pairs, or None
+    # when they could not be listed (a view, a table without a location).
+    listing: Optional[tuple] = None
 
     def __post_init__(self):
         object.__setattr__(self, "name", names.canonical(self.name))

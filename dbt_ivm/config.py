@@ -28,7 +28,7 @@ DEFAULT_THRESHOLD = 0.5
 AUTO_BYTES = 2 << 20
 
 # Set by the materialization from the dbt graph, not by users.
-INTERNAL = ("ivm_mv_dependents",)
+INTERNAL = ("ivm_mv_dependents", "ivm_target_schema")
 
 
 def _expected() -> dict:
@@ -42,10 +42,17 @@ def _expected() -> dict:
                             "reads, else merge), merge, append",
         "ivm_cost_rule": "auto (under ivm_policy 'auto', rebuild when the state's history says a rebuild "
                          "costs less than the incremental refresh would), off",
+        "ivm_partition_threshold": "a number in (0, 1]: the fraction of the model's partitions a change may "
+                                   "touch before a partition refresh gives way to a full rebuild",
+        "ivm_history": "true (a row per refresh in <target schema>.ivm_refresh_history), false, or the "
+                       "name of the history table",
+        "partition_by": "a column name or a list of column names of the model",
     }
 
 
-KEYS = tuple(_expected())
+_CHOICES = ("ivm_policy", "ivm_change_feed", "ivm_deletion_vectors", "ivm_state_layout", "ivm_cost_rule")
+KEYS = tuple(k for k in _expected() if k.startswith("ivm_"))
+DEFAULT_PARTITION_THRESHOLD = 0.5
 
 
 def validate_config(config: dict, model: Optional[str] = None, given: Iterable[str] = ()) -> dict:
@@ -63,7 +70,7 @@ def validate_config(config: dict, model: Optional[str] = None, given: Iterable[s
         value = config.get(key)
         return IvmConfigError(
             f"Invalid {key} provided{where}: {value!r} ({type(value).__name__}). "
-            f"Expected {'one of: ' if key != 'ivm_full_threshold' else ''}{_expected()[key]}.")
+            f"Expected {'one of: ' if key in _CHOICES else ''}{_expected()[key]}.")
 
     def choice(key: str, values: tuple, booleans: bool) -> str:
         value = config.get(key)
@@ -82,8 +89,39 @@ def validate_config(config: dict, model: Optional[str] = None, given: Iterable[s
         "ivm_deletion_vectors": choice("ivm_deletion_vectors", DELETION_VECTORS, booleans=True),
         "ivm_state_layout": choice("ivm_state_layout", LAYOUTS, booleans=False),
         "ivm_cost_rule": _cost_rule(config.get("ivm_cost_rule"), bad),
+        "ivm_partition_threshold": _threshold(config.get("ivm_partition_threshold"), bad,
+                                              "ivm_partition_threshold", DEFAULT_PARTITION_THRESHOLD),
+        "ivm_history": _history(config.get("ivm_history"), bad),
+        "partition_by": _columns(config.get("partition_by"), bad),
         "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
+        "ivm_target_schema": config.get("ivm_target_schema"),
     }
+
+
+def _history(value, bad):
+    """True, False or a table name (checked: one to three non-empty parts)."""
+    if value is None or value is True or (isinstance(value, str) and value.strip().lower() == "true"):
+        return True
+    if value is False or (isinstance(value, str) and value.strip().lower() == "false"):
+        return False
+    if not isinstance(value, str) or not value.strip():
+        raise bad("ivm_history")
+    from dbt_ivm.names import canonical
+
+    try:
+        return canonical(value.strip())
+    except ValueError:
+        raise bad("ivm_history") from None
+
+
+def _columns(value, bad) -> list:
+    """dbt-spark's partition_by: a column name or a list of them, lower-cased."""
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in values):
+        raise bad("partition_by")
+    return [v.strip().strip("`").lower() for v in values]
 
 
 def _cost_rule(value, bad) -> str:
@@ -97,16 +135,16 @@ def _cost_rule(value, bad) -> str:
     return value.strip().lower()
 
 
-def _threshold(value, bad) -> float:
+def _threshold(value, bad, key: str = "ivm_full_threshold", default: float = DEFAULT_THRESHOLD) -> float:
     """A number (or numeric text, as a dbt var gives it) in (0, 1]; not a bool."""
     if value is None:
-        return DEFAULT_THRESHOLD
+        return default
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise bad("ivm_full_threshold")
+        raise bad(key)
     try:
         number = float(value)
     except (ValueError, OverflowError):
-        raise bad("ivm_full_threshold") from None
+        raise bad(key) from None
     if math.isnan(number) or not 0 < number <= 1:
-        raise bad("ivm_full_threshold")
+        raise bad(key)
     return number

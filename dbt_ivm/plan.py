@@ -358,23 +358,7 @@ def build_plan(sql: str, catalog: Catalog) -> Plan:
     structural = check_structure(tree, columns_read)
     if structural:  # constructs the planner does not read row by row: a rebuild runs the SQL as written
         raise UnsupportedQuery(structural)
-    try:
-        query = qualify(
-            tree.copy(),
-            schema=catalog.schema(),
-            dialect=DIALECT,
-            validate_qualify_columns=True,
-            quote_identifiers=True,
-        )
-    except OptimizeError as e:
-        # Spark is the judge of what the query means: a rebuild runs it as
-        # written, and fails with Spark's own error if the SQL is wrong.
-        raise UnsupportedQuery([Reason(
-            "UNRESOLVED_QUERY", f"incremental_mv could not resolve the model's columns: {e}",
-            "the model is refreshed by full rebuilds; if Spark cannot resolve it either, the build "
-            "fails with Spark's error")]) from e
-
-    query = expand_grouping_sets(query)  # GROUPING SETS / ROLLUP / CUBE: a UNION ALL of GROUP BYs
+    query = qualified(tree, catalog)
     columns = [c.lower() for c in query.named_selects]
     _check_columns(columns)
     decorrelate(query)  # EXISTS / NOT EXISTS / IN (subquery) in a WHERE: semi and anti joins
@@ -395,6 +379,28 @@ def build_plan(sql: str, catalog: Catalog) -> Plan:
     plan.sources = sources
     plan.signature = signature(sql, sources)
     return plan
+
+
+def qualified(tree: exp.Expression, catalog: Catalog) -> exp.Query:
+    """A copy of a parsed query with every column qualified by its relation and
+    every identifier quoted, GROUPING SETS / ROLLUP / CUBE expanded into a
+    UNION ALL of GROUP BYs; UnsupportedQuery when the columns do not resolve."""
+    try:
+        query = qualify(
+            tree.copy(),
+            schema=catalog.schema(),
+            dialect=DIALECT,
+            validate_qualify_columns=True,
+            quote_identifiers=True,
+        )
+    except OptimizeError as e:
+        # Spark is the judge of what the query means: a rebuild runs it as
+        # written, and fails with Spark's own error if the SQL is wrong.
+        raise UnsupportedQuery([Reason(
+            "UNRESOLVED_QUERY", f"incremental_mv could not resolve the model's columns: {e}",
+            "the model is refreshed by full rebuilds; if Spark cannot resolve it either, the build "
+            "fails with Spark's error")]) from e
+    return expand_grouping_sets(query)
 
 
 def _check_columns(columns: list[str]) -> None:

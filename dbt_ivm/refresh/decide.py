@@ -31,6 +31,8 @@ _REBUILD_REASONS = ("FULL_REFRESH", "NO_WATERMARK", "VIEW_MISSING", "PLAN_SIGNAT
 class Decision:
     strategy: str
     reason: Optional[Reason] = None
+    # (strategy, Reason) of each step of the chain skipped before this one
+    skipped: tuple = ()
 
 
 @dataclass
@@ -42,6 +44,8 @@ class Result:
     changed_sources: list = field(default_factory=list)
     sizes: dict = field(default_factory=dict)  # source -> changed rows
     notes: list = field(default_factory=list)  # said after the message
+    skipped: list = field(default_factory=list)  # (strategy, Reason) of the chain's steps skipped
+    phases: dict = field(default_factory=dict)  # seconds per phase
 
     def message(self) -> str:
         parts = [self.strategy]
@@ -54,6 +58,8 @@ class Result:
         if self.rows:
             parts.append(", ".join(f"{k}={v}" for k, v in self.rows.items()))
         parts.append(f"in {self.seconds:.2f}s")
+        if self.skipped and self.strategy not in (NOOP, CREATE):
+            parts.append("(skipped: " + ", ".join(f"{s} [{r.code}]" for s, r in self.skipped) + ")")
         parts.extend(f"({n})" for n in self.notes)
         if self.reason and self.reason.detail:
             parts.append(f"- {self.reason.detail}")
@@ -130,6 +136,65 @@ def cheaper_to_rebuild(costs: dict, changes: int) -> Optional[Reason]:
     )
 
 
+NOT_PARTITIONED = Reason("NOT_PARTITIONED", "the model has no partition_by",
+                         "set partition_by on the model to refresh only the partitions that changed")
+
+
+def _replaced(s: Source, watermark: "Watermark") -> bool:
+    """The commit at the version consumed is another one now: the table was
+    dropped and recreated (or replaced) and its versions started again."""
+    old, stamps = watermark.versions(), watermark.stamps()
+    now = dict(s.stamps).get(old.get(s.physical))
+    return bool(stamps.get(s.physical)) and now is not None and now != stamps[s.physical]
+
+
+def rewound(s: Source, watermark: "Watermark") -> bool:
+    """A Delta source (or an incremental_mv's state) whose versions do not go on
+    from the one the watermark consumed: recreated, replaced or restored."""
+    old = watermark.versions()
+    return s.physical not in old or s.version is None or s.version < old[s.physical] or _replaced(s, watermark)
+
+
+def changed_sources(watermark: "Watermark", sources: list[Source]) -> list[Source]:
+    """The sources that changed since the watermark: a new version (or a
+    recreated table), for a table that is not Delta a different file listing
+    (or none to compare), an appended-layers upstream always."""
+    old, listings = watermark.versions(), watermark.listings()
+    out = []
+    for s in sources:
+        if s.kind == OTHER:
+            if s.listing is None or listings.get(s.physical) is None or \
+                    [[list(k), d] for k, d in s.listing] != listings[s.physical]:
+                out.append(s)
+        elif s.kind == LAYERED or old.get(s.physical) != s.version or _replaced(s, watermark):
+            out.append(s)
+    return out
+
+
+def incremental_blocker(changed: list[Source], watermark: "Watermark", unsupported: Optional[Reason]) -> Optional[Reason]:
+    """Why the change cannot be applied row by row from the sources' feeds (None: it can)."""
+    if unsupported is not None:
+        return unsupported
+    for s in changed:
+        if s.kind == LAYERED:
+            return Reason(
+                "SOURCE_LAYERED", f"source {s.name} is an incremental_mv with ivm_state_layout 'append': "
+                "its state table holds partial sums, not rows",
+                f"set ivm_state_layout: merge (or auto) on {s.name}")
+        if s.kind == OTHER:
+            return Reason(
+                "SOURCE_NOT_DELTA", f"source {s.name} is not a Delta table",
+                "convert it with CONVERT TO DELTA or build it as a Delta table")
+        if not s.cdf:
+            return Reason(
+                "CDF_DISABLED", f"source {s.name} has no change data feed",
+                f"set ivm_change_feed: true on the incremental_mv {s.name}" if s.kind == MV else
+                f"ALTER TABLE {s.physical} SET TBLPROPERTIES (delta.enableChangeDataFeed = true)")
+        if rewound(s, watermark):
+            return Reason("SOURCE_VERSION_REWOUND", f"source {s.name} was recreated or restored since the last refresh")
+    return None
+
+
 def decide(
     *,
     policy: str,
@@ -140,8 +205,17 @@ def decide(
     sig: str,
     sources: list[Source],
     unsupported: Optional[Reason],
+    partition: Optional[Reason] = NOT_PARTITIONED,
 ) -> Decision:
-    """Pick the refresh strategy. Pure: every fact is an argument."""
+    """Pick the refresh strategy. Pure: every fact is an argument.
+
+    After the rebuilds by nature (first build, --full-refresh, changed SQL, a
+    state written from outside) and NOOP, the chain INCREMENTAL → PARTITION →
+    FULL: each step is taken when it can apply (``partition``: why the
+    partition strategy cannot apply to this change, None when it can), and
+    the reasons of the steps skipped are kept (``Decision.skipped``).
+    ivm_policy 'incremental' and 'partition' pin one step: the refresher makes
+    a fallback from it an error (except the rebuilds by nature)."""
     if not state_exists or watermark is None:
         if state_exists:
             return Decision(FULL, Reason("NO_WATERMARK", "the state table has no dbt-ivm watermark"))
@@ -156,41 +230,20 @@ def decide(
             "the model is rebuilt from its sources; change the sources, not the state table"))
     if watermark.signature != sig:
         return Decision(FULL, Reason(
-            "PLAN_SIGNATURE_MISMATCH", "the model SQL or a source schema changed since the last build"))
-    old, stamps = watermark.versions(), watermark.stamps()
-
-    def replaced(s: Source) -> bool:
-        """The commit at the version consumed is another one now: the table was
-        dropped and recreated (or replaced) and its versions started again."""
-        now = dict(s.stamps).get(old.get(s.physical))
-        return bool(stamps.get(s.physical)) and now is not None and now != stamps[s.physical]
-
-    changed = [s for s in sources
-               if s.kind in (OTHER, LAYERED) or old.get(s.physical) != s.version or replaced(s)]
+            "PLAN_SIGNATURE_MISMATCH", "the model SQL, its partition_by or a source schema changed since the last build"))
+    changed = changed_sources(watermark, sources)
     if not changed:
         return Decision(NOOP, Reason("NO_CHANGES", "no source changed since the last refresh"))
     if policy == "full":
         return Decision(FULL, Reason("POLICY_FULL", "ivm_policy is 'full'"))
-    if unsupported is not None:
-        return Decision(FULL, unsupported)
-    for s in changed:
-        if s.kind == LAYERED:
-            return Decision(FULL, Reason(
-                "SOURCE_LAYERED", f"source {s.name} is an incremental_mv with ivm_state_layout 'append': "
-                "its state table holds partial sums, not rows",
-                f"set ivm_state_layout: merge (or auto) on {s.name}"))
-        if s.kind == OTHER:
-            return Decision(FULL, Reason(
-                "SOURCE_NOT_DELTA", f"source {s.name} is not a Delta table",
-                "convert it with CONVERT TO DELTA or build it as a Delta table"))
-        if not s.cdf:
-            return Decision(FULL, Reason(
-                "CDF_DISABLED", f"source {s.name} has no change data feed",
-                f"set ivm_change_feed: true on the incremental_mv {s.name}" if s.kind == MV else
-                f"ALTER TABLE {s.physical} SET TBLPROPERTIES (delta.enableChangeDataFeed = true)"))
-        if s.physical not in old or s.version is None or s.version < old[s.physical] or replaced(s):
-            return Decision(FULL, Reason(
-                "SOURCE_VERSION_REWOUND", f"source {s.name} was recreated or restored since the last refresh"))
+    inc = incremental_blocker(changed, watermark, unsupported)
     if policy == "partition":
-        return Decision(FULL, Reason("PARTITION_NOT_IMPLEMENTED", "the partition strategy is not implemented yet"))
-    return Decision(INCREMENTAL, None)
+        inc = Reason("POLICY_PARTITION", "ivm_policy is 'partition'")
+    elif inc is None:
+        return Decision(INCREMENTAL, None)
+    skipped = ((INCREMENTAL, inc),)
+    if partition is None and policy != "incremental":
+        return Decision(PARTITION, inc, skipped)
+    if policy == "partition":
+        return Decision(FULL, partition, skipped + ((PARTITION, partition),))
+    return Decision(FULL, inc, skipped + ((PARTITION, partition),))

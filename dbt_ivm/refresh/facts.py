@@ -4,13 +4,16 @@ relations exist, which models read this one."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import urllib.parse
 from typing import Optional
 
 from dbt_ivm import apply
 from dbt_ivm.catalog import DELTA, LAYERED, MV, OTHER, Source
 from dbt_ivm.config import APPEND
-from dbt_ivm.names import canonical, namespace, parts, string
+from dbt_ivm.names import canonical, ident, namespace, parts, string
 from dbt_ivm.plan import BAG
 from dbt_ivm.refresh.log import Executor, commit_stamps, history_head
 from dbt_ivm.refresh.watermark import Watermark
@@ -40,15 +43,21 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -
     histories = {} if histories is None else histories
     rows = ex.query(f"DESCRIBE TABLE EXTENDED {canonical(name)}")
     columns: list[tuple[str, str]] = []
+    partitions: list[str] = []
     info: dict[str, str] = {}
-    in_columns = True
+    section = "columns"
     for row in rows:
         col, dtype = (row[0] or "").strip(), (row[1] or "").strip()
-        if not col or col.startswith("#"):
-            in_columns = False
+        if col == "# Partition Information":
+            section = "partitions"
             continue
-        if in_columns:
+        if not col or col.startswith("#"):
+            section = "info" if section == "columns" or not col else section
+            continue
+        if section == "columns":
             columns.append((col.lower(), dtype))
+        elif section == "partitions":
+            partitions.append(col.lower())
         else:
             info[col.lower()] = dtype
     props = dict((k.strip(), v.strip()) for k, v in _PROPS_RE.findall(info.get("table properties", "")))
@@ -69,13 +78,146 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -
         newest = next((w for w in marks if w is not None), None)
         cdf = True if newest is None or newest.change_feed is None else bool(newest.change_feed)
         return Source(name=name, columns=tuple(columns), kind=MV, version=version,
-                      cdf=cdf, state_table=state, multiplicity=mult, stamps=stamps)
+                      cdf=cdf, state_table=state, multiplicity=mult, stamps=stamps,
+                      partitions=tuple(newest.partition_by) if newest is not None else ())
     if info.get("provider", "").lower() != "delta":
-        return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False)
+        location = info.get("location")
+        return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False, partitions=tuple(partitions),
+                      listing=file_listing(ex, name, location, partitions) if location else None)
     version, histories[name] = history_head(ex, name, HISTORY_DEPTH)
     cdf = props.get("delta.enableChangeDataFeed", "false").lower() == "true"
     return Source(name=name, columns=tuple(columns), kind=DELTA, version=version, cdf=cdf,
-                  stamps=commit_stamps(histories[name]))
+                  stamps=commit_stamps(histories[name]), partitions=tuple(partitions))
+
+
+# --------------------------------------------------------------------------- partitions
+
+
+def file_listing(ex: Executor, name: str, location: str, partitions: list[str]) -> Optional[tuple]:
+    """The files of a table that is not Delta (parquet, a Hive table), grouped
+    by partition: ((partition values, in column order), digest of the
+    partition's (path, size, modification time)) pairs, sorted. Two listings
+    differ exactly where a partition's files changed — the Cloudberry idea.
+    An executor may list them directly (``list_files(location)``: the embedded
+    session, a file-system listing); otherwise the files' metadata columns are
+    read (every file opened once). None when neither works."""
+    files = None
+    direct = getattr(ex, "list_files", None)
+    if direct is not None:
+        files = direct(location)
+    if files is None:
+        try:
+            files = ex.query(
+                "SELECT DISTINCT _metadata.file_path, _metadata.file_size, "
+                f"CAST(_metadata.file_modification_time AS STRING) FROM {canonical(name)}")
+        except Exception:  # noqa: BLE001 - no metadata columns (a view, a text table): unknown
+            return None
+    groups: dict = {}
+    for path, size, mtime in files:
+        values = partition_values(str(path), partitions)
+        if values is None:
+            continue  # not a data file of this table's layout (_SUCCESS, a stray file)
+        groups.setdefault(values, []).append((str(path), int(size), str(mtime)))
+    return tuple(sorted(
+        ((k, hashlib.sha256(json.dumps(sorted(v)).encode()).hexdigest()[:16]) for k, v in groups.items()),
+        key=lambda kv: json.dumps(kv[0])))
+
+
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
+
+
+def partition_values(path: str, partitions: list[str]) -> Optional[tuple]:
+    """A data file's partition values from its path's ``col=value`` segments
+    (Hive's escaping undone; its default partition is NULL); None for a file
+    outside the layout (a name starting with ``_`` or ``.``).
+
+    >>> partition_values("file:/w/t/d=2024-01-02/h=3/part-0.parquet", ["d", "h"])
+    ('2024-01-02', '3')
+    >>> partition_values("file:/w/t/d=__HIVE_DEFAULT_PARTITION__/part-0.parquet", ["d"])
+    (None,)
+    >>> partition_values("file:/w/t/_SUCCESS", []) is None
+    True
+    """
+    segments = path.rstrip("/").split("/")
+    if segments[-1].startswith(("_", ".")):
+        return None
+    found = {}
+    for seg in segments[:-1]:
+        key, eq, value = seg.partition("=")
+        if eq and key.lower() in partitions:
+            value = urllib.parse.unquote(value)
+            found[key.lower()] = None if value == HIVE_NULL else value
+    if any(p not in found for p in partitions):
+        return None
+    return tuple(found[p] for p in partitions)
+
+
+def listing_changes(old: Optional[list], new: Optional[tuple]) -> Optional[list]:
+    """The partitions (value tuples) whose files differ between a recorded
+    listing and the current one; None when either is unknown."""
+    if old is None or new is None:
+        return None
+    before = {tuple(k): d for k, d in old}
+    now = {tuple(k): d for k, d in new}
+    return sorted((k for k in before.keys() | now.keys() if before.get(k) != now.get(k)), key=json.dumps)
+
+
+def delta_partition_changes(ex: Executor, table: str, partitions: tuple, lo: int, hi: int) -> Optional[list]:
+    """The partitions (value tuples, in ``partitions`` order) that Delta
+    versions (lo, hi] of ``table`` added or removed data files in — read from
+    the commit files of the log, no data file opened. Actions with
+    ``dataChange=false`` (OPTIMIZE, compaction) change no rows and count for
+    nothing. None when the commits cannot say: a commit file gone (log
+    cleanup), a change of the partition columns, a remove without its values."""
+    texts = None
+    direct = getattr(ex, "delta_commits", None)
+    if direct is not None:
+        texts = direct(canonical(table), lo + 1, hi)
+    if texts is None:
+        try:
+            location = dict(zip(_DETAIL, ex.query(f"DESCRIBE DETAIL {canonical(table)}")[0]))["location"]
+            files = ",".join(f"{v:020d}" for v in range(lo + 1, hi + 1))
+            texts = [r[0] for r in ex.query(
+                f"SELECT value FROM text.{ident(f'{location}/_delta_log/{{{files}}}.json')}")]
+        except Exception:  # noqa: BLE001 - a commit file is gone, a path the server cannot read
+            return None
+    return commit_partitions(texts, partitions)
+
+
+# DESCRIBE DETAIL's first columns.
+_DETAIL = ("format", "id", "name", "description", "location")
+
+
+def commit_partitions(lines: list[str], partitions: tuple) -> Optional[list]:
+    """The partitions the data-changing add/remove actions of these commit
+    lines touch (see delta_partition_changes).
+
+    >>> commit_partitions(['{"add":{"partitionValues":{"d":"2024-01-02"},"dataChange":true}}',
+    ...                    '{"remove":{"partitionValues":{"d":null},"dataChange":true}}',
+    ...                    '{"add":{"partitionValues":{"d":"2024-01-05"},"dataChange":false}}'], ("d",))
+    [('2024-01-02',), (None,)]
+    """
+    out: set = set()
+    for text in lines:
+        for line in str(text).splitlines():
+            if not line.strip():
+                continue
+            try:
+                action = json.loads(line)
+            except ValueError:
+                return None
+            meta = action.get("metaData")
+            if meta is not None and [c.lower() for c in meta.get("partitionColumns") or []] != list(partitions):
+                return None
+            for kind in ("add", "remove"):
+                body = action.get(kind)
+                if body is None or body.get("dataChange") is False:
+                    continue
+                values = {str(k).lower(): v for k, v in (body.get("partitionValues") or {}).items()}
+                if partitions and not values:
+                    return None
+                out.add(tuple(values.get(p) or None for p in partitions))  # null, absent, '': NULL
+    return sorted(out, key=json.dumps)
 
 
 def relations_present(ex: Executor, tables: list[str]) -> set[str]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from dbt_ivm import apply
 from dbt_ivm.delta import Window
 from dbt_ivm.errors import IvmConfigError
-from dbt_ivm.names import canonical, string
+from dbt_ivm.names import canonical, ident, string
 from dbt_ivm.plan import AGGREGATE, BAG
 from dbt_ivm.refresh.watermark import Watermark
 
@@ -63,16 +63,10 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
     if known:
         types, sums = dict(old.columns), dict(old.sums)
     else:
-        types = {r[0].lower(): r[1] for r in r.ex.query(f"DESCRIBE QUERY {pinned}")}
+        types = {row[0].lower(): row[1] for row in r.ex.query(f"DESCRIBE QUERY {pinned}")}
         args = apply.avg_args_query(plan, window)
-        sums = apply.avg_sum_types(plan, {r[0]: r[1] for r in r.ex.query(f"DESCRIBE QUERY {args}")}) if args else {}
-    if plan is not None:
-        body = apply.state_query(plan, window, {**types, **sums})
-        kind, columns = plan.kind, plan.columns
-    else:  # unsupported query: keep its rows as a bag, rebuilt each time
-        columns = list(types)
-        body = apply.bag_state_of_query(pinned, columns)
-        kind = BAG
+        sums = apply.avg_sum_types(plan, {row[0]: row[1] for row in r.ex.query(f"DESCRIBE QUERY {args}")}) if args else {}
+    body, kind, columns = state_body(plan, sources, types, sums, pinned)
     if kind != AGGREGATE:
         _check_row_types(types)
     view = r.view_statement(plan, kind, columns, {**types, **sums})
@@ -86,8 +80,8 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
     if known:
         same, new_schema = True, []
     else:
-        new_schema = [(r[0].lower(), r[1]) for r in r.ex.query(f"DESCRIBE QUERY {body}")]
-        same = state_exists and state_schema(r) == new_schema
+        new_schema = [(row[0].lower(), row[1]) for row in r.ex.query(f"DESCRIBE QUERY {body}")]
+        same = state_exists and state_schema(r) == (new_schema, r.partition_by)
     if state_exists and not same:
         r.ex.query(f"DROP TABLE {canonical(r.state)}")
     if same:
@@ -105,7 +99,8 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
             r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {body}")
         else:
             r.ex.query(
-                f"CREATE TABLE {canonical(r.state)} USING delta TBLPROPERTIES ({_properties(props)}) AS {body}")
+                f"CREATE TABLE {canonical(r.state)} USING delta{_partitioned_by(r.partition_by)} "
+                f"TBLPROPERTIES ({_properties(props)}) AS {body}")
     if mapped and r.change_feed:
         r.ex.query(f"ALTER TABLE {canonical(r.state)} SET TBLPROPERTIES "
                       f"({_properties({'delta.enableChangeDataFeed': 'true'})})")
@@ -113,10 +108,34 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
         r.ex.query(view)
 
 
-def state_schema(r: "Refresher") -> list[tuple[str, str]]:
-    out = []
+def state_body(plan, sources, types: dict, sums: dict, pinned: str) -> tuple[str, str, list]:
+    """(the SELECT of the whole state at the sources' current versions, the
+    state's kind, the model's columns): the plan's state, or for a query not
+    maintained row by row its rows as a bag."""
+    if plan is not None:
+        window = Window(new={s.physical: s.version for s in sources})
+        return apply.state_query(plan, window, {**types, **sums}), plan.kind, plan.columns
+    return apply.bag_state_of_query(pinned, list(types)), BAG, list(types)
+
+
+def _partitioned_by(columns: list) -> str:
+    return f" PARTITIONED BY ({', '.join(ident(c) for c in columns)})" if columns else ""
+
+
+def state_schema(r: "Refresher") -> tuple[list[tuple[str, str]], list[str]]:
+    """The state table's (columns with types, partition columns)."""
+    out: list = []
+    partitions: list = []
+    section = "columns"
     for row in r.ex.query(f"DESCRIBE TABLE {canonical(r.state)}"):
-        if not row[0] or row[0].startswith("#"):
-            break
-        out.append((row[0].lower(), row[1]))
-    return out
+        name = (row[0] or "").strip()
+        if name == "# Partition Information":
+            section = "partitions"
+        elif not name or name.startswith("#"):
+            if section == "columns" or not name:
+                section = "done"  # the partition section's own header row ('# col_name') keeps it
+        elif section == "columns":
+            out.append((name.lower(), row[1]))
+        elif section == "partitions":
+            partitions.append(name.lower())
+    return out, partitions

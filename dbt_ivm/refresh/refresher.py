@@ -24,10 +24,10 @@ from dbt_ivm.delta import table_changes
 from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
 from dbt_ivm.names import DIALECT, canonical, set_value
 from dbt_ivm.plan import BAG, Plan, build_plan, referenced_tables, signature
-from dbt_ivm.refresh import full, incremental
+from dbt_ivm.refresh import full, incremental, partition
 from dbt_ivm.refresh.decide import (
-    _REBUILD_REASONS, CREATE, FULL, INCREMENTAL, NOOP, SMALL_CHANGE, Decision, Result, cheaper_to_rebuild,
-    decide, too_large,
+    _REBUILD_REASONS, CREATE, FULL, INCREMENTAL, NOOP, NOT_PARTITIONED, PARTITION, SMALL_CHANGE, Decision, Result,
+    changed_sources, cheaper_to_rebuild, decide, too_large,
 )
 from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, describe_source, relations_present
 from dbt_ivm.refresh.full import _digest, _properties
@@ -95,6 +95,8 @@ class Refresher:
         dvs = self.config["ivm_deletion_vectors"]
         self.deletion_vectors: Optional[bool] = None if dvs == "auto" else dvs == "true"
         self.layout = MERGE  # settled per refresh (_settle_layout)
+        self.partition_by = list(self.config["partition_by"])
+        self.phases: dict = {}  # seconds per phase of the refresh (the history table's)
 
     def run(self) -> Result:
         start = self.started = time.time()
@@ -103,16 +105,21 @@ class Refresher:
         catalog = Catalog({s.name: s for s in sources})
         plan, unsupported = self._plan(catalog)
         sig = signature(self.sql, sources)
+        if self.partition_by:  # the state's partitioning is part of what it holds
+            sig = _digest(sig + json.dumps(self.partition_by))
         present = relations_present(self.ex, [self.state, self.relation])
         state_exists = self.state in present
         _, watermark = read_watermark(self.ex, self.state) if state_exists else (None, None)
+        self.phases["facts"] = round(time.time() - start, 3)
         # Row counts the watermark recorded (see _change_sizes); carried forward.
         self.source_rows = {canonical(s["physical"]): s.get("rows") for s in (watermark.sources if watermark else [])}
+        part = self._partition_option(sources, watermark, sig, state_exists)
         decision = decide(
             policy=self.config["ivm_policy"], full_refresh=self.full_refresh,
             state_exists=state_exists, view_exists=self.relation in present,
             watermark=watermark, sig=sig, sources=sources,
             unsupported=unsupported.reason if unsupported else None,
+            partition=part if isinstance(part, Reason) else None,
         )
         self.view_present = self.relation in present
         self.view_key = watermark.view if watermark else ""
@@ -124,14 +131,14 @@ class Refresher:
             try:
                 sizes = self._change_sizes(sources, watermark)
             except Exception as e:  # the feed does not cover the window (enabled late, vacuumed)
-                sizes, decision = {}, Decision(FULL, _cdf_unavailable(e))
+                sizes, decision = {}, self._fallback(part, _cdf_unavailable(e), decision.skipped)
                 self._allowed(decision, e)
             costly = too_large(sizes, self.config["ivm_full_threshold"])
             self.changes = sum(c for c, _ in sizes.values())
-            if decision.strategy == FULL:
+            if decision.strategy != INCREMENTAL:
                 pass
             elif costly and self.config["ivm_policy"] == "auto":
-                decision = Decision(FULL, costly)
+                decision = self._fallback(part, costly, decision.skipped)
             elif not any(c for c, _ in sizes.values()):
                 # New versions without changed rows (an UPDATE matching nothing, an
                 # upstream MERGE that changed no row): nothing to write. The
@@ -140,13 +147,16 @@ class Refresher:
             elif self.config["ivm_policy"] == "auto" and self.config["ivm_cost_rule"] == "auto":
                 cheaper = cheaper_to_rebuild(watermark.costs, self.changes)
                 if cheaper:
-                    decision = Decision(FULL, cheaper)
+                    decision = self._fallback(part, cheaper, decision.skipped)
+        if decision.strategy == PARTITION:
+            decision = self._partition_cost(decision, part)
         self._settle_dvs(watermark, decision.strategy == INCREMENTAL)
-        self._settle_layout(plan, watermark, decision.strategy == INCREMENTAL)
-        if decision.strategy == INCREMENTAL and watermark.layout == APPEND and self.layout != APPEND:
+        self._settle_layout(plan, watermark, decision.strategy in (INCREMENTAL, PARTITION))
+        if decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and self.layout != APPEND:
             decision = Decision(FULL, Reason(
                 "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
-        result = Result(decision.strategy, decision.reason)
+        self.phases["decide"] = round(time.time() - start - sum(self.phases.values()), 3)
+        result = Result(decision.strategy, decision.reason, skipped=list(decision.skipped))
         result.sizes = {n: c for n, (c, _) in sizes.items()}
         if decision.strategy == INCREMENTAL:
             small = sum(result.sizes.values()) <= BROADCAST_ROWS
@@ -157,26 +167,69 @@ class Refresher:
                 # cleanup): nothing was written; rebuild instead, unless told not to.
                 if not _MISSING_HISTORY.search(str(e)):
                     raise
-                decision = Decision(FULL, _cdf_unavailable(e))
+                decision = self._fallback(part, _cdf_unavailable(e), decision.skipped)
                 self._allowed(decision, e)
-                result.strategy, result.reason = decision.strategy, decision.reason
+                result.strategy, result.reason, result.skipped = decision.strategy, decision.reason, list(decision.skipped)
+        if decision.strategy == PARTITION:
+            partition.run(self, plan, sources, watermark, part, result)
         if decision.strategy in (CREATE, FULL):
             full.run(self, plan, sources, sig, decision, state_exists, watermark)
+            if self.partition_by:
+                result.rows["partitions"] = partition.count_partitions(self)
+        self.phases[result.strategy.lower()] = round(time.time() - start - sum(self.phases.values()), 3)
         result.seconds = time.time() - start
+        result.phases = dict(self.phases)
         return result
 
+    def _partition_option(self, sources, watermark: Optional[Watermark], sig: str, state_exists: bool):
+        """partition.prepare for a refresh that may take the chain (a state with
+        a watermark of the same signature and some changed source); otherwise
+        the reason it cannot."""
+        if not self.partition_by:
+            return NOT_PARTITIONED
+        if not state_exists or watermark is None or watermark.signature != sig:
+            return Reason("PARTITION_NO_STATE", "the state is rebuilt whole")
+        changed = changed_sources(watermark, sources)
+        if not changed:
+            return Reason("NO_CHANGES", "no source changed since the last refresh")
+        return partition.prepare(self, sources, watermark, changed)
+
+    def _fallback(self, part, reason: Reason, skipped: tuple) -> Decision:
+        """The next step of the chain after INCREMENTAL gave way for ``reason``:
+        PARTITION where it applies (and the policy allows), else FULL."""
+        skipped = tuple(skipped) + ((INCREMENTAL, reason),)
+        if not isinstance(part, Reason) and self.config["ivm_policy"] in ("auto", "partition"):
+            return Decision(PARTITION, reason, skipped)
+        return Decision(FULL, reason, skipped + ((PARTITION, part),))
+
+    def _partition_cost(self, decision: Decision, part) -> Decision:
+        """Under ivm_policy 'auto', a change touching more than
+        ivm_partition_threshold of the state's partitions is rebuilt whole."""
+        if self.config["ivm_policy"] != "auto" or len(part.values) < 2:
+            return decision  # one partition: never dearer than rebuilding them all (no count needed)
+        total = partition.count_partitions(self)
+        if total and len(part.values) > self.config["ivm_partition_threshold"] * total:
+            why = Reason("PARTITIONS_TOO_MANY",
+                         f"the change touches {len(part.values)} of the model's {total} partitions, more than "
+                         f"ivm_partition_threshold {self.config['ivm_partition_threshold']:g}",
+                         "a rebuild is cheaper; raise ivm_partition_threshold to replace partitions anyway")
+            return Decision(FULL, decision.reason or why, decision.skipped + ((PARTITION, why),))
+        return decision
+
     def _allowed(self, decision: Decision, cause: Optional[BaseException] = None) -> None:
-        """Under ivm_policy='incremental' a fallback to FULL is an error naming the
-        reason (rebuilds that are by nature — first build, --full-refresh, changed
-        SQL — still run)."""
+        """Under ivm_policy 'incremental' or 'partition' a fallback to FULL is an
+        error naming the reason (rebuilds that are by nature — first build,
+        --full-refresh, changed SQL — still run)."""
+        policy = self.config["ivm_policy"]
         if (
-            self.config["ivm_policy"] == "incremental"
+            policy in ("incremental", "partition")
             and decision.strategy == FULL
             and decision.reason.code not in _REBUILD_REASONS
         ):
+            what = "incremental" if policy == "incremental" else "a partition refresh"
             raise IvmError(
-                f"ivm_policy is 'incremental' but the refresh of {self.relation} cannot be "
-                f"incremental: {decision.reason.message()}"
+                f"ivm_policy is '{policy}' but the refresh of {self.relation} cannot be "
+                f"{what}: {decision.reason.message()}"
             ) from cause
 
     # ----------------------------------------------------------------- steps
@@ -194,9 +247,11 @@ class Refresher:
                 {"name": s.name, "kind": s.kind, "physical": s.physical, "multiplicity": s.multiplicity,
                  "columns": [list(c) for c in s.columns], "version": s.version,
                  "committed": dict(s.stamps).get(s.version),
-                 "rows": self.source_rows.get(s.physical) if self.sized else None}
+                 "rows": self.source_rows.get(s.physical) if self.sized else None,
+                 **({"listing": [[list(k), d] for k, d in s.listing]} if s.listing is not None else {})}
                 for s in sources
             ],
+            partition_by=list(self.partition_by),
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
             change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
             recomputed=self.recomputed, layout=self.layout, started=self.started,

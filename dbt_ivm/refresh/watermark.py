@@ -58,6 +58,8 @@ class Watermark:
     view: str = ""  # digest of the view statement over the state (a rebuild re-creates the view only if it differs)
     costs: dict = field(default_factory=dict)  # ... and measured_costs of its recent commits
     sums: dict = field(default_factory=dict)  # AVG sum state column -> Spark's sum type (apply.avg_sum_types)
+    partition_by: list = field(default_factory=list)  # the state's partition columns (the model's partition_by)
+    partitions: Optional[int] = None  # ... and how many partitions it held after its last whole or partition write
 
     def typed(self) -> dict:
         """The types the state's statements are built with: the visible columns'
@@ -71,6 +73,11 @@ class Watermark:
 
     def versions(self) -> dict:
         return {canonical(s["physical"]): s["version"] for s in self.sources if s["version"] is not None}
+
+    def listings(self) -> dict:
+        """Physical table -> the file listing recorded for a source that is not
+        Delta (facts.file_listing, as JSON lists), None where none was."""
+        return {canonical(s["physical"]): s.get("listing") for s in self.sources}
 
     def source_objects(self) -> list[Source]:
         return [

@@ -16,6 +16,10 @@
         'ivm_deletion_vectors': config.get('ivm_deletion_vectors', 'auto'),
         'ivm_state_layout': config.get('ivm_state_layout', 'auto'),
         'ivm_cost_rule': config.get('ivm_cost_rule', 'auto'),
+        'ivm_partition_threshold': config.get('ivm_partition_threshold'),
+        'ivm_history': config.get('ivm_history', true),
+        'partition_by': config.get('partition_by'),
+        'ivm_target_schema': target.schema,
         'ivm_mv_dependents': adapter.ivm_has_mv_readers(graph.nodes, model.unique_id),
       }, model.name, (model.config or {}).keys() | list) -%}
   {#-- An enforced contract: the query's columns must match the declared names and

@@ -72,6 +72,59 @@ def history(session, table: str, limit: Optional[int]) -> Optional[list[tuple]]:
         return None
 
 
+def _delta_log(session, table: str):
+    """(jvm, DeltaLog) of a Delta table of the session's catalog, or None."""
+    names = _parts(table)
+    if not names or len(names) not in (2, 3) or (len(names) == 3 and names[0] != "spark_catalog"):
+        return None
+    jvm, js = session._jvm, session._jsparkSession
+    ident = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(names[-1], jvm.scala.Option.apply(names[-2]))
+    meta = js.sessionState().catalog().getTableMetadata(ident)
+    if str(meta.provider().getOrElse(None) or "").lower() != "delta":
+        return None
+    return jvm, jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, ident)
+
+
+def commits(session, table: str, first: int, last: int) -> Optional[list[str]]:
+    """The text of commit files ``first``..``last`` of a Delta table's log
+    (one string per commit), read with Delta's LogStore; None when a file is
+    gone or the table is not one this path reads."""
+    try:
+        found = _delta_log(session, table)
+        if found is None:
+            return None
+        jvm, log = found
+        conf = log.newDeltaHadoopConf()
+        fs = log.logPath().getFileSystem(conf)
+        out = []
+        for version in range(first, last + 1):
+            path = jvm.org.apache.hadoop.fs.Path(log.logPath(), f"{version:020d}.json")
+            if not fs.exists(path):
+                return None
+            out.append(log.store().read(path, conf).mkString("\n"))
+        return out
+    except Exception:  # noqa: BLE001 - the statement reads them instead
+        return None
+
+
+def list_files(session, location: str) -> Optional[list[tuple]]:
+    """(path, size, modification time in ms) of every file under a table's
+    location, listed through Hadoop's file system (no file opened); None on
+    any failure."""
+    try:
+        jvm, js = session._jvm, session._jsparkSession
+        path = jvm.org.apache.hadoop.fs.Path(location)
+        fs = path.getFileSystem(js.sessionState().newHadoopConf())
+        it = fs.listFiles(path, True)
+        out = []
+        while it.hasNext():
+            status = it.next()
+            out.append((str(status.getPath().toString()), int(status.getLen()), int(status.getModificationTime())))
+        return out
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _commit_info(text: str) -> Optional[dict]:
     for line in text.splitlines():
         if '"commitInfo"' in line:

@@ -30,6 +30,8 @@ class IvmAdapterResponse(AdapterResponse):
     changed_sources: Optional[list] = None
     changes: Optional[dict] = None
     rows: Optional[dict] = None
+    skipped: Optional[list] = None  # [{strategy, reason, detail}] of the chain's steps not taken
+    phases: Optional[dict] = None  # seconds per phase of the refresh
 
 
 class _Executor:
@@ -66,6 +68,28 @@ class _Executor:
         if rows is not None:
             self.timings.append((round(time.time() - start, 2), f"(delta log) history {table} {limit}"))
         return rows
+
+    def delta_commits(self, table: str, first: int, last: int) -> Optional[list]:
+        """Commit files of a Delta table read from its log directly (delta_log.py);
+        None where a statement reads them instead."""
+        session = self._session()
+        if session is None:
+            return None
+        from dbt.adapters.spark_ivm.delta_log import commits
+
+        start = time.time()
+        texts = commits(session, table, first, last)
+        self.timings.append((round(time.time() - start, 2), f"(delta log) commits {table} {first}..{last}"))
+        return texts
+
+    def list_files(self, location: str) -> Optional[list]:
+        """A non-Delta table's files listed through the session's file system."""
+        session = self._session()
+        if session is None:
+            return None
+        from dbt.adapters.spark_ivm.delta_log import list_files
+
+        return list_files(session, location)
 
     def session_conf(self, confs: dict, reset: bool = False) -> bool:
         """Set (or reset) session confs directly on the embedded session: no SQL
@@ -164,6 +188,8 @@ class SparkIvmAdapter(SparkAdapter):
             changed_sources=result.changed_sources or None,
             changes=result.sizes or None,
             rows=result.rows or None,
+            skipped=[{"strategy": s, "reason": r.code, "detail": r.detail} for s, r in result.skipped] or None,
+            phases=result.phases or None,
         )
 
     @available

@@ -1,0 +1,153 @@
+"""The PARTITION strategy through real dbt: a date-partitioned source with 30
+partitions and no change feed, models partitioned by that date (a GROUP BY
+with the date as key, a projection joined to a dimension, a window partitioned
+by the date), a parquet (non-Delta) source; a change in one partition replaces
+exactly that partition of each state (the other partitions keep their files),
+and every model equals a recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import DbtProject, check_model, fresh_schemas, sql
+
+pytestmark = pytest.mark.spark
+
+SRC = "part_src"
+OUT = "part_out"
+DAYS = 30
+NO_FEED = "tblproperties (delta.enableChangeDataFeed = false)"
+
+MODELS = {
+    "by_day": "select d, count(*) as n, sum(v) as s, max(v) as mx from {{ source('src', 'ev') }} group by d",
+    "joined": "select e.d, e.k, e.v, m.name from {{ source('src', 'ev') }} e "
+              "join {{ source('src', 'dim') }} m on e.k = m.k where e.k <> 3",
+    "ranked": "select d, k, v, row_number() over (partition by d order by v desc, k) as rn "
+              "from {{ source('src', 'ev') }}",
+    "pq_day": "select d, count(*) as n, sum(v) as s from {{ source('src', 'pq') }} group by d",
+    "by_k": "select k, sum(v) as s from {{ source('src', 'ev') }} group by k",
+}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    p = DbtProject(tmp_path_factory.mktemp("partition"), name="partition", schema=OUT)
+    fresh_schemas(OUT, SRC)
+    days = f"date_add(date'2024-01-01', cast(id % {DAYS} as int))"
+    sql(f"create table {SRC}.ev (d date, k int, v int) using delta partitioned by (d) {NO_FEED}")
+    sql(f"insert into {SRC}.ev select {days}, cast(id % 7 as int), cast(id as int) from range(0, 600)")
+    sql(f"create table {SRC}.dim (k int, name string) using delta {NO_FEED}")
+    sql(f"insert into {SRC}.dim select cast(id as int), concat('k', id) from range(0, 7)")
+    sql(f"create table {SRC}.pq (d date, k int, v int) using parquet partitioned by (d)")
+    sql(f"insert into {SRC}.pq (d, k, v) select {days}, cast(id % 7 as int), cast(id as int) from range(0, 300)")
+    p.write_sources(SRC, "ev", "dim", "pq")
+    for name, body in MODELS.items():
+        key = "k" if name == "by_k" else "d"
+        p.write(f"models/{name}.sql", f"{{{{ config(materialized='incremental_mv', partition_by='{key}') }}}}\n{body}")
+    out = p.dbt("run")
+    assert out.success, out.exception
+    assert {n: out.code(n) for n in MODELS} == {n: "CREATE" for n in MODELS}
+    return p
+
+
+def _files(model: str) -> dict:
+    """partition value -> the set of data files of the model's state holding it."""
+    out: dict = {}
+    for d, path in sql(f"select distinct d, _metadata.file_path from {OUT}.{model}__ivm_state"):
+        out.setdefault(d, set()).add(path)
+    return out
+
+
+def _run(project, *models):
+    out = project.dbt("run", "--select", *models)
+    assert out.success, out.exception
+    for m in models:
+        assert check_model(f"{OUT}.{m}", out.results[m].node.compiled_code) is None, m
+    return out
+
+
+def test_a_change_in_one_partition_replaces_only_that_partition(project):
+    before = {m: _files(m) for m in ("by_day", "joined", "ranked")}
+    sql(f"insert into {SRC}.ev values (date'2024-01-05', 1, 10000), (date'2024-01-05', 2, 10001)")
+    sql(f"delete from {SRC}.ev where d = date'2024-01-05' and v < 100")
+    sql(f"update {SRC}.ev set v = v + 1 where d = date'2024-01-05' and k = 3")
+    out = _run(project, "by_day", "joined", "ranked")
+    for m in ("by_day", "joined", "ranked"):
+        r = out.response(m)
+        assert (r["code"], r["reason"]) == ("PARTITION", "CDF_DISABLED"), r
+        assert r["rows"]["partitions_replaced"] == 1, r
+        assert r["rows"]["partitions"] == sql(f"select count(distinct d) from {OUT}.{m}")[0][0] == DAYS, r
+        assert [s["strategy"] for s in r["skipped"]] == ["INCREMENTAL"], r
+        after = _files(m)
+        import datetime
+
+        changed = datetime.date(2024, 1, 5)
+        assert {d: f for d, f in after.items() if d != changed} == \
+               {d: f for d, f in before[m].items() if d != changed}, m
+        assert after[changed].isdisjoint(before[m][changed]), m
+
+
+def test_a_new_null_partition_and_an_emptied_partition(project):
+    sql(f"insert into {SRC}.ev values (null, 1, 5)")
+    sql(f"delete from {SRC}.ev where d = date'2024-01-07'")
+    out = _run(project, "by_day", "ranked")
+    for m in ("by_day", "ranked"):
+        r = out.response(m)
+        assert r["code"] == "PARTITION" and r["rows"]["partitions_replaced"] == 2, r
+        assert r["rows"]["partitions"] == DAYS, r  # one emptied, one (NULL) new
+
+
+def test_optimize_changes_no_partition(project):
+    sql(f"optimize {SRC}.ev")
+    out = _run(project, "by_day")
+    r = out.response("by_day")
+    assert (r["code"], r["reason"]) == ("NOOP", "NO_ROW_CHANGES"), r
+
+
+def test_a_dimension_change_is_not_tied_to_the_partitions(project):
+    sql(f"update {SRC}.dim set name = 'renamed' where k = 2")
+    out = _run(project, "joined")
+    r = out.response("joined")
+    assert (r["code"], r["reason"]) == ("FULL", "CDF_DISABLED"), r
+    assert {s["strategy"]: s["reason"] for s in r["skipped"]} == \
+           {"INCREMENTAL": "CDF_DISABLED", "PARTITION": "PARTITION_NOT_TRACEABLE"}, r
+    assert "dim" in next(s["detail"] for s in r["skipped"] if s["strategy"] == "PARTITION")
+
+
+def test_a_model_partitioned_by_a_column_the_source_is_not_partitioned_by(project):
+    sql(f"insert into {SRC}.ev values (date'2024-01-09', 4, 1)")
+    out = _run(project, "by_k", "by_day")
+    r = out.response("by_k")
+    assert r["code"] == "FULL" and r["skipped"][-1]["reason"] == "PARTITION_NOT_TRACEABLE", r
+    assert out.response("by_day")["code"] == "PARTITION"
+
+
+def test_a_parquet_source_is_refreshed_by_its_changed_partitions(project):
+    out = _run(project, "pq_day")
+    r = out.response("pq_day")
+    assert (r["code"], r["reason"]) == ("NOOP", "NO_CHANGES"), r  # not a rebuild: its files did not change
+    before = _files("pq_day")
+    sql(f"insert into {SRC}.pq (d, k, v) values (date'2024-01-11', 1, 7000)")
+    out = _run(project, "pq_day")
+    r = out.response("pq_day")
+    assert (r["code"], r["reason"]) == ("PARTITION", "SOURCE_NOT_DELTA"), r
+    assert r["rows"]["partitions_replaced"] == 1, r
+    import datetime
+
+    changed = datetime.date(2024, 1, 11)
+    after = _files("pq_day")
+    assert {d: f for d, f in after.items() if d != changed} == {d: f for d, f in before.items() if d != changed}
+
+
+def test_policy_partition_refuses_what_it_cannot_replace(project):
+    project.write("models/by_k.sql", "{{ config(materialized='incremental_mv', partition_by='k', "
+                  "ivm_policy='partition') }}\n" + MODELS["by_k"])
+    sql(f"insert into {SRC}.ev values (date'2024-01-10', 4, 2)")
+    out = project.dbt("run", "--select", "by_k")
+    assert not out.success
+    message = str(out.results["by_k"].message)
+    assert "ivm_policy is 'partition'" in message and "PARTITION_NOT_TRACEABLE" in message, message
+    project.write("models/by_day.sql", "{{ config(materialized='incremental_mv', partition_by='d', "
+                  "ivm_policy='partition') }}\n" + MODELS["by_day"])
+    out = _run(project, "by_day")  # the signature is the same: no rebuild, the change by partition
+    assert out.response("by_day")["code"] == "PARTITION"
