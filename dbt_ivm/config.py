@@ -28,7 +28,7 @@ DEFAULT_THRESHOLD = 0.5
 AUTO_BYTES = 2 << 20
 
 # Set by the materialization from the dbt graph, not by users.
-INTERNAL = ("ivm_mv_dependents", "ivm_target_schema")
+INTERNAL = ("ivm_mv_dependents", "ivm_target_schema", "ivm_invocation_id")
 
 
 def _expected() -> dict:
@@ -95,6 +95,7 @@ def validate_config(config: dict, model: Optional[str] = None, given: Iterable[s
         "partition_by": _columns(config.get("partition_by"), bad),
         "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
         "ivm_target_schema": config.get("ivm_target_schema"),
+        "ivm_invocation_id": config.get("ivm_invocation_id"),
     }
 
 

@@ -32,7 +32,7 @@ from sqlglot import exp
 
 from dbt_ivm.catalog import Source
 from dbt_ivm import names
-from dbt_ivm.names import DIALECT, canonical, ident
+from dbt_ivm.names import canonical
 from dbt_ivm.plan import PREFIX, Block, Keyed, Node, Scan, UnionAll
 
 W = "__ivm_w"

@@ -24,7 +24,7 @@ from dbt_ivm.delta import table_changes
 from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
 from dbt_ivm.names import DIALECT, canonical, set_value
 from dbt_ivm.plan import BAG, Plan, build_plan, referenced_tables, signature
-from dbt_ivm.refresh import full, incremental, partition
+from dbt_ivm.refresh import full, history, incremental, partition
 from dbt_ivm.refresh.decide import (
     _REBUILD_REASONS, CREATE, FULL, INCREMENTAL, NOOP, NOT_PARTITIONED, PARTITION, SMALL_CHANGE, Decision, Result,
     changed_sources, cheaper_to_rebuild, decide, too_large,
@@ -179,6 +179,7 @@ class Refresher:
         self.phases[result.strategy.lower()] = round(time.time() - start - sum(self.phases.values()), 3)
         result.seconds = time.time() - start
         result.phases = dict(self.phases)
+        history.record(self, result, sources, watermark.versions() if watermark else {})
         return result
 
     def _partition_option(self, sources, watermark: Optional[Watermark], sig: str, state_exists: bool):

@@ -20,6 +20,7 @@
         'ivm_history': config.get('ivm_history', true),
         'partition_by': config.get('partition_by'),
         'ivm_target_schema': target.schema,
+        'ivm_invocation_id': invocation_id,
         'ivm_mv_dependents': adapter.ivm_has_mv_readers(graph.nodes, model.unique_id),
       }, model.name, (model.config or {}).keys() | list) -%}
   {#-- An enforced contract: the query's columns must match the declared names and

@@ -151,3 +151,20 @@ def test_policy_partition_refuses_what_it_cannot_replace(project):
                   "ivm_policy='partition') }}\n" + MODELS["by_day"])
     out = _run(project, "by_day")  # the signature is the same: no rebuild, the change by partition
     assert out.response("by_day")["code"] == "PARTITION"
+
+
+def test_the_history_table_holds_a_row_per_refresh(project):
+    rows = sql(f"select model, strategy, reason, skipped, partitions_replaced, partitions, source_versions, "
+               f"seconds, invocation_id, started <= ended as ordered from {OUT}.ivm_refresh_history order by started")
+    assert len(rows) == len({(r.invocation_id, r.model) for r in rows})  # one per refresh
+    by_model = [r for r in rows if r.model == f"`{OUT}`.`by_day`"]
+    assert [r.strategy for r in by_model][:4] == ["CREATE", "PARTITION", "PARTITION", "NOOP"]
+    first_partition = by_model[1]
+    assert (first_partition.reason, first_partition.partitions_replaced, first_partition.partitions) == \
+           ("CDF_DISABLED", 1, DAYS)
+    import json
+
+    assert [s["strategy"] for s in json.loads(first_partition.skipped)] == ["INCREMENTAL"]
+    versions = json.loads(first_partition.source_versions)[f"`{SRC}`.`ev`"]
+    assert versions[0] < versions[1]
+    assert all(r.ordered and r.seconds > 0 for r in rows)

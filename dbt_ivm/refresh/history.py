@@ -1,0 +1,120 @@
+"""The refresh history table: one row per model refresh — what ran, why, what
+the chain skipped, the source versions consumed, the change and the rows
+written, seconds per phase.
+
+A Delta table (default ``<target schema>.ivm_refresh_history``; the model
+config ``ivm_history``: a table name, or false), created on first use. Its
+rows are appended after the refresh's own commit: the state's commit
+``userMetadata`` stays the source of truth for exactly-once, and a row lost to
+a crash between the two (or a failed append) is tolerated — the refresh is
+not failed for it, the run's log says so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Optional
+
+from sqlglot import exp
+
+from dbt_ivm.names import DIALECT, canonical, table as names_table
+from dbt_ivm.refresh.decide import Result
+
+if TYPE_CHECKING:
+    from dbt_ivm.refresh.refresher import Refresher
+
+DEFAULT_NAME = "ivm_refresh_history"
+
+# (column, Spark type): the table's schema, in order.
+COLUMNS = (
+    ("model", "string"),
+    ("invocation_id", "string"),
+    ("run_id", "string"),
+    ("started", "timestamp"),
+    ("ended", "timestamp"),
+    ("strategy", "string"),
+    ("reason", "string"),
+    ("reason_detail", "string"),
+    ("skipped", "string"),  # JSON: [{strategy, reason, detail}]
+    ("source_versions", "string"),  # JSON: {source: [version consumed before, version consumed now]}
+    ("change_rows", "string"),  # JSON: {source: changed rows}
+    ("partitions_replaced", "bigint"),
+    ("partitions", "bigint"),
+    ("rows_inserted", "bigint"),
+    ("rows_updated", "bigint"),
+    ("rows_deleted", "bigint"),
+    ("seconds", "double"),
+    ("phases", "string"),  # JSON: {phase: seconds}
+)
+
+
+def table_name(config: dict) -> Optional[str]:
+    """The history table of a model's config, or None when switched off."""
+    setting = config.get("ivm_history", True)
+    if setting is False:
+        return None
+    if setting is True:
+        schema = config.get("ivm_target_schema")
+        return canonical([schema, DEFAULT_NAME]) if schema else None
+    return canonical(setting)
+
+
+def _value(v) -> exp.Expression:
+    if v is None:
+        return exp.Null()
+    if isinstance(v, bool):
+        return exp.Boolean(this=v)
+    if isinstance(v, (int, float)):
+        return exp.Literal.number(v)
+    return exp.Literal.string(str(v))
+
+
+def _micros(seconds: float) -> exp.Expression:
+    return exp.func("timestamp_micros", exp.Literal.number(int(seconds * 1_000_000)))
+
+
+def row(r: "Refresher", result: Result, sources: list, old_versions: dict) -> list[exp.Expression]:
+    """The history row of a finished refresh, as SQL values in COLUMNS order."""
+    rows = result.rows
+    versions = {s.name: [old_versions.get(s.physical), s.version] for s in sources}
+    ended = (r.started or time.time()) + result.seconds
+    values = [
+        r.relation, r.config.get("ivm_invocation_id"), r.run_id, None, None, result.strategy,
+        result.reason.code if result.reason else None, result.reason.detail if result.reason else None,
+        json.dumps([{"strategy": s, "reason": why.code, "detail": why.detail} for s, why in result.skipped]),
+        json.dumps(versions), json.dumps(result.sizes),
+        rows.get("partitions_replaced"), rows.get("partitions"),
+        rows.get("inserted", rows.get("appended")), rows.get("updated"), rows.get("deleted"),
+        round(result.seconds, 3), json.dumps(result.phases),
+    ]
+    out = [_value(v) for v in values]
+    out[3], out[4] = _micros(r.started or ended), _micros(ended)
+    return out
+
+
+def record(r: "Refresher", result: Result, sources: list, old_versions: dict) -> None:
+    """Append the refresh's row to its history table (created on first use).
+    Any failure is a note on the result, never the refresh's failure."""
+    table = table_name(r.config)
+    if table is None:
+        return
+    try:
+        target = names_table(table)
+        values = exp.Tuple(expressions=row(r, result, sources, old_versions))
+        insert = exp.Insert(this=target, expression=exp.Values(expressions=[values]))
+        try:
+            r.ex.query(insert.sql(dialect=DIALECT))
+        except Exception as e:  # noqa: BLE001 - the table is not there yet: create it, append again
+            if "TABLE_OR_VIEW_NOT_FOUND" not in str(e) and "not found" not in str(e).lower():
+                raise
+            create = exp.Create(
+                this=exp.Schema(this=target.copy(), expressions=[
+                    exp.ColumnDef(this=exp.to_identifier(c, quoted=True), kind=exp.DataType.build(t))
+                    for c, t in COLUMNS]),
+                kind="TABLE", exists=True, properties=exp.Properties(expressions=[exp.FileFormatProperty(
+                    this=exp.var("DELTA"))]))
+            r.ex.query(create.sql(dialect=DIALECT))
+            r.ex.query(insert.sql(dialect=DIALECT))
+    except Exception as e:  # noqa: BLE001 - history is best effort (see the module)
+        result.notes.append(f"refresh history not written to {table}: {str(e)[:200]}")
