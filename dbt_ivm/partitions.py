@@ -208,7 +208,8 @@ def _reach(select: exp.Select, start: tuple, nullable: set) -> dict:
     """alias -> the column of that relation equal to ``start`` in every output
     row it contributes to. WHERE and inner-join equalities tie both ways; an
     outer (or semi/anti) join's ON ties its null-supplying side to the other only."""
-    both = _equalities(select.args.get("where"))
+    where = select.args.get("where")
+    both = _equalities(where.this if where is not None else None)
     one: list = []
     for join in select.args.get("joins") or []:
         pairs = _equalities(join.args.get("on"))
