@@ -46,6 +46,7 @@ class Result:
     notes: list = field(default_factory=list)  # said after the message
     skipped: list = field(default_factory=list)  # (strategy, Reason) of the chain's steps skipped
     phases: dict = field(default_factory=dict)  # seconds per phase
+    run_id: str = ""  # the refresh's id (Refresher.run_id)
 
     def message(self) -> str:
         parts = [self.strategy]

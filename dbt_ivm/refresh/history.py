@@ -114,7 +114,10 @@ def record(r: "Refresher", result: Result, sources: list, old_versions: dict) ->
                     for c, t in COLUMNS]),
                 kind="TABLE", exists=True, properties=exp.Properties(expressions=[exp.FileFormatProperty(
                     this=exp.var("DELTA"))]))
-            r.ex.query(create.sql(dialect=DIALECT))
+            try:
+                r.ex.query(create.sql(dialect=DIALECT))
+            except Exception:  # noqa: BLE001 - another refresh created it meanwhile
+                pass
             r.ex.query(insert.sql(dialect=DIALECT))
     except Exception as e:  # noqa: BLE001 - history is best effort (see the module)
         result.notes.append(f"refresh history not written to {table}: {str(e)[:200]}")

@@ -178,7 +178,7 @@ class Refresher:
                 result.rows["partitions"] = partition.count_partitions(self)
         self.phases[result.strategy.lower()] = round(time.time() - start - sum(self.phases.values()), 3)
         result.seconds = time.time() - start
-        result.phases = dict(self.phases)
+        result.phases, result.run_id = dict(self.phases), self.run_id
         history.record(self, result, sources, watermark.versions() if watermark else {})
         return result
 

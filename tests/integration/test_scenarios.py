@@ -79,6 +79,7 @@ class Suite:
         self.project = DbtProject(root, name="scenarios", threads=6, schema=OUT)
         self.failures: dict[str, list[str]] = {c["id"]: [] for c in cases}
         self.strategies: dict[str, list[str]] = {c["id"]: [] for c in cases}
+        self.responses: list[tuple[str, str, dict]] = []  # (model, step label, adapter_response) of every refresh
         self._write_project()
 
     # ------------------------------------------------------------------ setup
@@ -161,6 +162,7 @@ class Suite:
                     continue
                 code = out.code(name)
                 self.strategies[cid].append(f"{variant}/{label}:{name}={code}")
+                self.responses.append((name, label, out.response(name)))
                 self._check_strategy(case, variant, label, name, code, out.response(name), had_statements)
                 checks.append((cid, variant, label, name, r.node.compiled_code))
         diffs = parallel(lambda c: check_model(f"{OUT}.{c[3]}", c[4]), checks)
@@ -245,3 +247,44 @@ def suite(tmp_path_factory):
 @pytest.mark.parametrize("case_id", [c["id"] for c in load_cases()])
 def test_scenario(suite, case_id):
     assert not suite.failures[case_id], "\n".join(suite.failures[case_id])
+
+
+def test_history_holds_one_row_per_refresh(suite):
+    """The refresh history table: one row per refresh of the suite (matched by
+    the refresh's run id), with the strategy and the change sizes the run
+    reported."""
+    import json
+
+    rows = {r.run_id: r for r in sql(f"select run_id, strategy, change_rows, rows_inserted from {OUT}.ivm_refresh_history")}
+    assert len(rows) == len(suite.responses)
+    for name, label, resp in suite.responses:
+        row = rows[resp["run_id"]]
+        assert row.strategy == resp["code"], (name, label)
+        assert json.loads(row.change_rows) == (resp.get("changes") or {}), (name, label)
+        assert row.rows_inserted == (resp.get("rows") or {}).get("inserted", (resp.get("rows") or {}).get("appended"))
+
+
+def test_explain_predicts_the_strategy_each_refresh_took(suite):
+    """`dbt-ivm explain` (offline: the manifest, no catalog) predicts for each
+    model the strategy its refreshes after a change took."""
+    from dbt_ivm.explain import explain_project
+
+    root = str(suite.project.root)
+    report = explain_project(root, root, [], parse_first=True)
+    taken: dict = {}
+    for name, label, resp in suite.responses:
+        if label != "build" and resp["code"] not in ("NOOP", "CREATE"):
+            taken.setdefault(name, set()).add(resp["code"])
+    checked, unknown, wrong = 0, [], []
+    for m in report["models"]:
+        if m["strategy"] == "UNKNOWN":
+            unknown.append(f"{m['model']} ({m['reason']})")
+            continue
+        if m["model"] not in taken:
+            continue
+        checked += 1
+        if taken[m["model"]] != {m["strategy"]}:
+            wrong.append(f"{m['model']}: predicted {m['strategy']} ({m.get('reason')}), took {sorted(taken[m['model']])}")
+    print(f"\nexplain: {checked} models' predictions checked against their refreshes; "
+          f"{len(unknown)} without a verdict offline: {', '.join(unknown)}")
+    assert checked and not wrong, "\n".join(wrong)

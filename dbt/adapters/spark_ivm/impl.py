@@ -32,6 +32,7 @@ class IvmAdapterResponse(AdapterResponse):
     rows: Optional[dict] = None
     skipped: Optional[list] = None  # [{strategy, reason, detail}] of the chain's steps not taken
     phases: Optional[dict] = None  # seconds per phase of the refresh
+    run_id: Optional[str] = None  # the refresh's id: its row of the history table, its watermark's run
 
 
 class _Executor:
@@ -190,6 +191,7 @@ class SparkIvmAdapter(SparkAdapter):
             rows=result.rows or None,
             skipped=[{"strategy": s, "reason": r.code, "detail": r.detail} for s, r in result.skipped] or None,
             phases=result.phases or None,
+            run_id=result.run_id or None,
         )
 
     @available
