@@ -199,7 +199,7 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
 
 
 def _partition_verdict(sql: str, catalog: Catalog, partition_by: list,
-                       partitions: Optional[dict] = None) -> Optional[tuple]:
+                       partitions: Optional[dict] = None, only: Optional[str] = None) -> Optional[tuple]:
     """(traceable, column, text) of the model's partition columns, None without
     partition_by. ``partitions``: each source's partition columns where known
     (live); offline any traced column is taken for one."""
@@ -214,6 +214,9 @@ def _partition_verdict(sql: str, catalog: Catalog, partition_by: list,
         except IvmError as e:
             why.append(str(e))
             continue
+        if only is not None:  # a change of that source alone: the others do not matter
+            ties.mapped = {s: c for s, c in ties.mapped.items() if s == only}
+            ties.unmapped = {s: w for s, w in ties.unmapped.items() if s == only}
         off = [f"{display(s)}: {', '.join(c)} is not a partition column of it"
                for s, c in ties.mapped.items() if partitions is not None and not set(c) <= set(partitions.get(s, ()))]
         if not ties.unmapped and not off:
@@ -245,18 +248,25 @@ def explain_live(ex, sql: str, config: dict) -> dict:
     mark = Watermark("", "", sql, {}, [{"name": s.name, "kind": s.kind, "physical": s.physical,
                                         "multiplicity": s.multiplicity, "columns": [], "version": s.version}
                                        for s in sources])
-    inc = incremental_blocker(sources, mark, unsupported)
-    if inc is None:
-        return {**out, "strategy": INCREMENTAL, "reason": None, "detail": None}
-    verdict = {"strategy": FULL, "reason": inc.code, "detail": inc.detail, "hint": inc.hint}
     partition_by = config.get("partition_by")
     partition_by = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
-    part = _partition_verdict(sql, catalog, partition_by, {s.name: s.partitions for s in sources})
-    if part is not None and part[0]:
-        verdict.update(strategy=PARTITION, partition_column=part[1])
-    elif part is not None:
-        verdict["partition"] = part[2]
-    return {**out, **verdict}
+    by_source = {}
+    for s in sources:  # the chain for a change of this source alone
+        inc = incremental_blocker([s], mark, unsupported)
+        if inc is None:
+            by_source[display(s.name)] = {"strategy": INCREMENTAL, "reason": None}
+            continue
+        step = {"strategy": FULL, "reason": inc.code, "detail": inc.detail, "hint": inc.hint}
+        part = _partition_verdict(sql, catalog, partition_by, {s.name: s.partitions}, only=s.name)
+        if part is not None and part[0]:
+            step.update(strategy=PARTITION, partition_column=part[1])
+        elif part is not None:
+            step["partition"] = part[2]
+        by_source[display(s.name)] = step
+    rank = {INCREMENTAL: 0, PARTITION: 1, FULL: 2}
+    worst = max(by_source.values(), key=lambda v: rank[v["strategy"]]) if by_source else \
+        {"strategy": INCREMENTAL, "reason": None}
+    return {**out, **worst, "by_source": by_source}
 
 
 # --------------------------------------------------------------------------- command line

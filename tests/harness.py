@@ -178,7 +178,8 @@ class DbtProject:
         )
         results = {}
         for r in getattr(res.result, "results", None) or []:
-            results[r.node.name] = r
+            if getattr(r, "node", None) is not None:  # a run-operation's result has none
+                results[r.node.name] = r
         return RunOutcome(success=bool(res.success), results=results, exception=res.exception)
 
 

@@ -26,6 +26,7 @@ MODELS = {
               "from {{ source('src', 'ev') }}",
     "pq_day": "select d, count(*) as n, sum(v) as s from {{ source('src', 'pq') }} group by d",
     "by_k": "select k, sum(v) as s from {{ source('src', 'ev') }} group by k",
+    "limited": "select d, k, v from {{ source('src', 'ev') }} order by v desc limit 3",
 }
 
 
@@ -168,3 +169,40 @@ def test_the_history_table_holds_a_row_per_refresh(project):
     versions = json.loads(first_partition.source_versions)[f"`{SRC}`.`ev`"]
     assert versions[0] < versions[1]
     assert all(r.ordered and r.seconds > 0 for r in rows)
+
+
+def test_explain_live_and_offline(project):
+    """run-operation ivm_explain reads the live catalog (no change feed: the
+    chain's PARTITION step); the command-line tool reads the manifest alone
+    (it assumes a change feed) and with --strict fails on a model that would
+    rebuild (LIMIT)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dbt_ivm.explain import explain_live
+    from tests.harness import SessionExecutor
+
+    assert project.dbt("run-operation", "ivm_explain", "--args", "{model: joined}").success
+    joined = explain_live(SessionExecutor(), f"select e.d, e.k, e.v, m.name from {SRC}.ev e join {SRC}.dim m "
+                                             "on e.k = m.k where e.k <> 3", {"partition_by": "d"})
+    ev, dim = joined["by_source"][f"{SRC}.ev"], joined["by_source"][f"{SRC}.dim"]
+    assert (ev["strategy"], ev["reason"], ev["partition_column"]) == ("PARTITION", "CDF_DISABLED", "d"), joined
+    assert dim["strategy"] == "FULL" and "PARTITION_NOT_TRACEABLE" in dim["partition"], joined
+    assert joined["strategy"] == "FULL"  # the model's verdict: its worst source's
+    by_k = explain_live(SessionExecutor(), f"select k, sum(v) as s from {SRC}.ev group by k", {"partition_by": "k"})
+    assert by_k["strategy"] == "FULL" and "not a partition column" in by_k["partition"], by_k
+    cli = Path(sys.executable).parent / "dbt-ivm"
+    args = [str(cli), "explain", "--project-dir", str(project.root), "--format", "json"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    verdicts = {m["model"]: m for m in report["models"]}
+    assert set(verdicts) == set(MODELS)
+    assert verdicts["by_day"]["strategy"] == "INCREMENTAL" and verdicts["by_day"]["hidden_state_columns"]
+    assert (verdicts["limited"]["strategy"], verdicts["limited"]["reason"]) == ("FULL", "UNSUPPORTED_ORDER_LIMIT")
+    strict = subprocess.run(args + ["--strict", "--select", "limited"], capture_output=True, text=True, timeout=300)
+    assert strict.returncode == 1, strict.stdout
+    ok = subprocess.run(args + ["--strict", "--select", "by_day"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout

@@ -37,18 +37,25 @@ def _parts(table: str) -> Optional[list[str]]:
         return None
 
 
-def history(session, table: str, limit: Optional[int]) -> Optional[list[tuple]]:
+def _delta_log(session, table: str):
+    """(jvm, DeltaLog) of a Delta table of the session's catalog, or None."""
     names = _parts(table)
     if not names or len(names) not in (2, 3) or (len(names) == 3 and names[0] != "spark_catalog"):
         return None
+    jvm, js = session._jvm, session._jsparkSession
+    ident = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(names[-1], jvm.scala.Option.apply(names[-2]))
+    meta = js.sessionState().catalog().getTableMetadata(ident)
+    if str(meta.provider().getOrElse(None) or "").lower() != "delta":
+        return None
+    return jvm, jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, ident)
+
+
+def history(session, table: str, limit: Optional[int]) -> Optional[list[tuple]]:
     try:
-        jvm, js = session._jvm, session._jsparkSession
-        ident = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(
-            names[-1], jvm.scala.Option.apply(names[-2]))
-        meta = js.sessionState().catalog().getTableMetadata(ident)
-        if str(meta.provider().getOrElse(None) or "").lower() != "delta":
+        found = _delta_log(session, table)
+        if found is None:
             return None
-        log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, ident)
+        jvm, log = found
         snapshot = log.update(False, jvm.scala.Option.empty(), jvm.scala.Option.empty())
         newest = int(snapshot.version())
         if newest < 0:
@@ -70,19 +77,6 @@ def history(session, table: str, limit: Optional[int]) -> Optional[list[tuple]]:
         return rows
     except Exception:  # noqa: BLE001 - any failure here: the statement reads it instead
         return None
-
-
-def _delta_log(session, table: str):
-    """(jvm, DeltaLog) of a Delta table of the session's catalog, or None."""
-    names = _parts(table)
-    if not names or len(names) not in (2, 3) or (len(names) == 3 and names[0] != "spark_catalog"):
-        return None
-    jvm, js = session._jvm, session._jsparkSession
-    ident = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(names[-1], jvm.scala.Option.apply(names[-2]))
-    meta = js.sessionState().catalog().getTableMetadata(ident)
-    if str(meta.provider().getOrElse(None) or "").lower() != "delta":
-        return None
-    return jvm, jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, ident)
 
 
 def commits(session, table: str, first: int, last: int) -> Optional[list[str]]:
