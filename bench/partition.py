@@ -1,0 +1,149 @@
+"""Benchmark of the fallback chain on a date-partitioned source: each
+incremental_mv shape built four ways — ``ivm_policy`` incremental, partition,
+full and auto — beside a plain dbt ``table`` of the same SELECT, then a change
+confined to one of the source's partitions (70 % inserts, 20 % deletes, 10 %
+updates of that day's rows), refreshed and timed from dbt's own per-model
+timings, every result checked against the table.
+
+    ./run bench-partition                         # 1M rows over 30 days, 0.1 % change, 3 rounds
+    ./run bench-partition --rows 10m --days 100
+
+Reports per shape the median refresh time of each strategy as a ratio of the
+plain table's (``r_plain``) and whether ``auto`` chose within 10 % of the best
+forced strategy (issue 18's target). Raw results: bench/results/<name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+SRC, OUT = "pbench_src", "pbench"
+POLICIES = ("incremental", "partition", "full", "auto")
+SHAPES = {
+    "by_day": "select d, k % 100 as bucket, count(*) as n, sum(v) as s, max(v) as mx from {src} group by d, k % 100",
+    "ranked": "select d, k, v, row_number() over (partition by d, k % 50 order by v desc, k) as rn from {src}",
+    "proj": "select d, k, v, v * 2 as v2 from {src} where v % 7 <> 0",
+}
+
+
+def size_arg(text: str) -> int:
+    text = text.strip().lower()
+    return int(float(text.rstrip("km")) * {"k": 1_000, "m": 1_000_000}.get(text[-1:], 1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1m")
+    p.add_argument("--days", type=int, default=30)
+    p.add_argument("--change", type=float, default=0.001, help="fraction of all rows changed, all in one day")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--name", default="partition")
+    p.add_argument("--driver-memory", default="8g")
+    a = p.parse_args()
+    rows = size_arg(a.rows)
+    ws = Path(os.environ.get("DBT_IVM_BENCH_WORKSPACE", "/tmp/dbt_ivm_pbench")).resolve()
+    if ws.exists():
+        shutil.rmtree(ws)
+    project = ws / "project"
+    params = {"spark.driver.memory": a.driver_memory, "spark.master": "local[*]",
+              "spark.sql.shuffle.partitions": "8", "spark.app.name": "dbt-ivm-pbench"}
+    files = {
+        "dbt_project.yml": {"name": "pbench", "version": "1.0", "config-version": 2, "profile": "pbench",
+                            "models": {"pbench": {"+file_format": "delta"}}},
+        "profiles.yml": {"pbench": {"target": "b", "outputs": {"b": {
+            "type": "spark_ivm", "method": "session", "host": "NA", "schema": OUT, "threads": 1,
+            "warehouse_dir": str(ws / "warehouse"), "metastore_dir": str(ws / "metastore_db"),
+            "server_side_parameters": params}}}},
+        "models/sources.yml": {"version": 2, "sources": [{"name": "s", "schema": SRC, "tables": [{"name": "ev"}]}]},
+    }
+    for rel, body in files.items():
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text(yaml.safe_dump(body, sort_keys=False))
+    for shape, body in SHAPES.items():
+        text = body.format(src="{{ source('s', 'ev') }}")
+        for policy in POLICIES:
+            (project / "models" / f"{shape}__{policy}.sql").write_text(
+                f"{{{{ config(materialized='incremental_mv', partition_by='d', ivm_policy='{policy}') }}}}\n{text}")
+        (project / "models" / f"{shape}__table.sql").write_text(
+            f"{{{{ config(materialized='table', partition_by='d') }}}}\n{text}")
+
+    from dbt.adapters.spark_ivm.connections import default_spark_conf, spark_session
+    from dbt.cli.main import dbtRunner
+
+    spark = spark_session(default_spark_conf(str(project), str(ws / "warehouse"), str(ws / "metastore_db"),
+                                             None, params))
+    sql = lambda q: spark.sql(q).collect()  # noqa: E731
+    sql(f"create schema {SRC}")
+    sql(f"create table {SRC}.ev (d date, k bigint, v bigint) using delta partitioned by (d) "
+        "tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"insert into {SRC}.ev select date_add(date'2024-01-01', cast(id % {a.days} as int)), id, "
+        f"abs(hash(id)) % 100000 from range({rows})")
+
+    def dbt(*names: str) -> dict:
+        res = dbtRunner().invoke(["run", "--select", *names, "--project-dir", str(project),
+                                  "--profiles-dir", str(project), "--quiet"])
+        out = {}
+        for r in getattr(res.result, "results", None) or []:
+            if str(r.status) not in ("success", "RunStatus.Success"):
+                sys.exit(f"{r.node.name}: {r.status} {r.message}")
+            out[r.node.name] = (float(r.execution_time), dict(r.adapter_response or {}))
+        return out
+
+    mvs = [f"{s}__{p}" for s in SHAPES for p in POLICIES]
+    tables = [f"{s}__table" for s in SHAPES]
+    dbt(*mvs, *tables)
+    cells: list = []
+    next_key = rows
+    for rnd in range(a.repeats + 1):  # the first round warms up, untimed
+        day = f"date_add(date'2024-01-01', {(7 * rnd + 3) % a.days})"
+        n = max(int(rows * a.change), 10)
+        ins, dele, upd = int(n * 0.7), int(n * 0.2), n - int(n * 0.7) - int(n * 0.2)
+        sql(f"insert into {SRC}.ev select {day}, {next_key} + id, abs(hash(id, {rnd})) % 100000 from range({ins})")
+        next_key += ins
+        per_day = rows / a.days  # rows are picked by a hash of the key, in that day only
+        sql(f"delete from {SRC}.ev where d = {day} and pmod(hash(k, {rnd}), 1000000) < "
+            f"{int(1e6 * dele / per_day)}")
+        sql(f"update {SRC}.ev set v = v + 1 where d = {day} and pmod(hash(k, {rnd}, 1), 1000000) < "
+            f"{int(1e6 * upd / per_day)}")
+        got = dbt(*mvs)
+        got.update(dbt(*tables))
+        for s in SHAPES:
+            for pol in POLICIES:
+                diff = sql(f"select count(*) from ((select * from {OUT}.{s}__{pol}) except all "
+                           f"(select * from {OUT}.{s}__table))")[0][0]
+                if diff:
+                    sys.exit(f"round {rnd}: {s}__{pol} differs from the table by {diff} rows")
+        if rnd:
+            cells.append({s: {k: [got[f"{s}__{k}"][0], got[f"{s}__{k}"][1].get("code")]
+                              for k in (*POLICIES, "table")} for s in SHAPES})
+        print(f"round {rnd}: " + ", ".join(f"{k}={v[0]:.2f}s/{v[1].get('code')}" for k, v in sorted(got.items())),
+              flush=True)
+    report = {"rows": rows, "days": a.days, "change": a.change, "rounds": cells,
+              "when": time.strftime("%Y-%m-%d %H:%M")}
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / f"{a.name}.json").write_text(json.dumps(report, indent=1))
+    print(f"\n{rows} rows over {a.days} days, {a.change:g} changed in one day; medians of {a.repeats}, "
+          "seconds (r_plain)")
+    print("| shape | incremental | partition | full | auto (chose) | table | auto within 10 % of best |")
+    print("|---|---|---|---|---|---|---|")
+    for s in SHAPES:
+        med = {k: statistics.median(c[s][k][0] for c in cells) for k in (*POLICIES, "table")}
+        chose = sorted({c[s]["auto"][1] for c in cells})
+        best = min(med[k] for k in ("incremental", "partition", "full"))
+        cell = lambda k: f"{med[k]:.2f} ({med[k] / med['table']:.2f})"  # noqa: E731
+        print(f"| {s} | {cell('incremental')} | {cell('partition')} | {cell('full')} | {cell('auto')} "
+              f"{'/'.join(chose)} | {med['table']:.2f} | {'yes' if med['auto'] <= 1.1 * best else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()
