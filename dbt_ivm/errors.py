@@ -24,6 +24,7 @@ class Reason:
     code: str
     detail: str
     hint: str = ""
+    where: str = ""  # the construct's place in the model's SQL ("line 3, column 12"), where known
 
     def message(self) -> str:
         text = f"{self.code}: {self.detail}"

@@ -176,7 +176,8 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
         plan = build_plan(sql, catalog)
     except UnsupportedQuery as u:
         verdict = {"strategy": FULL, "reason": u.reason.code, "detail": u.reason.detail, "hint": u.reason.hint,
-                   "reasons": [{"code": r.code, "detail": r.detail} for r in u.reasons]}
+                   "at": u.reason.where or None,
+                   "reasons": [{"code": r.code, "detail": r.detail, "at": r.where or None} for r in u.reasons]}
         if any("*" in c for c in [sql]) and any(s.columns and inferred.get(n) == list(s.columns)
                                                 for n, s in facts.items()):
             verdict["assumptions"] = ["columns were inferred from the query: `*` may hide more"]
@@ -346,7 +347,7 @@ def text_report(report: dict) -> str:
         head = f"{m['model']}: {m['strategy']}" + (f" [{m['reason']}]" if m.get("reason") else "")
         lines.append(head)
         if m.get("detail"):
-            lines.append(f"    why: {m['detail']}")
+            lines.append(f"    why: {m['detail']}" + (f" (at {m['at']} of the compiled SQL)" if m.get("at") else ""))
         if m.get("partition"):
             lines.append(f"    no partition refresh: {m['partition']}")
         if m.get("partition_column"):

@@ -34,7 +34,7 @@ from dbt_ivm.errors import IvmConfigError, Reason, UnsupportedQuery
 from dbt_ivm.names import DIALECT
 from dbt_ivm.grouping_sets import expand as expand_grouping_sets
 from dbt_ivm.subqueries import decorrelate
-from dbt_ivm.support import check_structure, check_support, root_decomposable
+from dbt_ivm.support import check_structure, check_support, position, root_decomposable
 
 PREFIX = "__ivm_"
 # 2: MIN/MAX keep a bounded top-k per group; 3: canonical quoted table names
@@ -633,7 +633,8 @@ def _no_keys(join: exp.Join) -> Reason:
         "UNSUPPORTED_OUTER_JOIN",
         f"{' '.join(p for p in (join.side, join.kind) if p)} JOIN without an equality between its two sides "
         f"({(join.args.get('on') or exp.true()).sql(DIALECT)}): no key bounds what a change affects",
-        "the model is refreshed by full rebuilds; join on an equality (with any extra condition) to maintain it")
+        "the model is refreshed by full rebuilds; join on an equality (with any extra condition) to maintain it",
+        position(join))
 
 
 def _join_keys(on: exp.Expression, left: str, right: str) -> list[tuple[exp.Expression, exp.Expression]]:
@@ -678,7 +679,8 @@ def _split_operator(query: exp.Select, catalog: Catalog, ctes: dict) -> Node:
     if (group or _has_aggregate(op)) and windows:
         raise UnsupportedQuery([Reason(
             "UNSUPPORTED_WINDOW", "window functions over an aggregate in the same SELECT are not maintained",
-            "the model is refreshed by full rebuilds; aggregate in a subquery and apply the window above it")])
+            "the model is refreshed by full rebuilds; aggregate in a subquery and apply the window above it",
+            position(windows[0]))])
     if group or _has_aggregate(op) or op.args.get("having"):
         # no GROUP BY: one key value, every input row (the aggregate is
         # recomputed whenever an input changes; its delta is empty when its value did not)
@@ -691,7 +693,7 @@ def _split_operator(query: exp.Select, catalog: Catalog, ctes: dict) -> Node:
         if not keys:
             raise UnsupportedQuery([Reason(
                 "UNSUPPORTED_WINDOW", "a window without PARTITION BY (or windows partitioned by different keys) "
-                "depends on every row", "the model is refreshed by full rebuilds")])
+                "depends on every row", "the model is refreshed by full rebuilds", position(windows[0]))])
     return Keyed(select=op, items=[(x_alias, _node(x, catalog, ctes))], keys=[keys])
 
 

@@ -18,11 +18,31 @@ _HINT_FULL = "the model is refreshed by full rebuilds"
 _MAINTAINED_AGGREGATES = (exp.Count, exp.Sum, exp.Avg, exp.Min, exp.Max)
 
 
+def position(node) -> str:
+    r"""Where a construct starts in the model's SQL, from the parser's token
+    positions (its own, else its first descendant's that has one), as
+    'line L, column C'; '' when the tree does not know (a node built by a rewrite).
+
+    >>> import sqlglot
+    >>> position(sqlglot.parse_one("select a\nfrom t limit 5", read="spark").args["limit"])
+    'line 2, column 14'
+    """
+    if node is None:
+        return ""
+    spots = [n.meta for n in node.walk() if isinstance(n.meta, dict) and "line" in n.meta and "start" in n.meta]
+    if not spots:
+        return ""
+    first = min(spots, key=lambda m: m["start"])
+    # the parser records a token's line, the column where it ends and its offsets
+    return f"line {first['line']}, column {first['col'] - (first.get('end', first['start']) - first['start'])}"
+
+
 def _adder(reasons: list):
-    """``add(code, detail, hint)``: one reason per code, in the order found."""
-    def add(code: str, detail: str, hint: str = _HINT_FULL) -> None:
+    """``add(code, detail, hint, node)``: one reason per code, in the order
+    found, placed at ``node`` in the SQL where given."""
+    def add(code: str, detail: str, hint: str = _HINT_FULL, node=None) -> None:
         if all(r.code != code for r in reasons):
-            reasons.append(Reason(code, detail, hint))
+            reasons.append(Reason(code, detail, hint, position(node)))
     return add
 
 
@@ -43,24 +63,24 @@ def check_structure(tree: exp.Expression, columns=()) -> list[Reason]:
 
     for node in tree.walk():
         if isinstance(node, exp.With) and node.args.get("recursive"):
-            add("UNSUPPORTED_RECURSIVE_CTE", "WITH RECURSIVE is not maintained incrementally")
+            add("UNSUPPORTED_RECURSIVE_CTE", "WITH RECURSIVE is not maintained incrementally", node=node)
         elif isinstance(node, exp.Select) and not node.args.get("from_") and _in_relation(node):
             add("UNSUPPORTED_RELATION", "a SELECT without FROM reads no table to follow",
-                _HINT_FULL + "; its rows change only when the model's SQL does")
+                _HINT_FULL + "; its rows change only when the model's SQL does", node=node)
         elif isinstance(node, (exp.Lateral, exp.Unnest, exp.Explode)):
-            add("UNSUPPORTED_GENERATOR", "LATERAL VIEW / generators (explode ...) are not supported by incremental_mv")
+            add("UNSUPPORTED_GENERATOR", "LATERAL VIEW / generators (explode ...) are not supported by incremental_mv", node=node)
         elif isinstance(node, exp.Values):
             add("UNSUPPORTED_RELATION", "VALUES lists as relations are not supported by incremental_mv",
-                "put the rows in a Delta table or a seed")
+                "put the rows in a Delta table or a seed", node=node)
         elif isinstance(node, exp.Table) and not isinstance(node.this, exp.Identifier):
-            add("UNSUPPORTED_RELATION", f"table-valued function {node.this.sql('spark')} is not supported by incremental_mv")
+            add("UNSUPPORTED_RELATION", f"table-valued function {node.this.sql('spark')} is not supported by incremental_mv", node=node)
         elif isinstance(node, exp.Table) and node.args.get("version"):
-            add("UNSUPPORTED_RELATION", "time travel (VERSION/TIMESTAMP AS OF) in the model is not supported by incremental_mv")
+            add("UNSUPPORTED_RELATION", "time travel (VERSION/TIMESTAMP AS OF) in the model is not supported by incremental_mv", node=node)
         elif isinstance(node, (exp.Pivot,)):
-            add("UNSUPPORTED_RELATION", "PIVOT / UNPIVOT is not supported by incremental_mv")
+            add("UNSUPPORTED_RELATION", "PIVOT / UNPIVOT is not supported by incremental_mv", node=node)
         elif isinstance(node, exp.TableSample):
             add("NON_DETERMINISTIC", "TABLESAMPLE picks different rows on every read",
-                _HINT_FULL + " so that every row is computed at the same moment")
+                _HINT_FULL + " so that every row is computed at the same moment", node=node)
     for name in find_nondeterministic(tree, columns):
         add("NON_DETERMINISTIC", f"non-deterministic function {name} cannot be maintained incrementally",
             _HINT_FULL + " so that every row is computed at the same moment")
@@ -91,11 +111,11 @@ def check_support(query: exp.Query) -> list[Reason]:
 
     if query.args.get("order"):
         add("UNSUPPORTED_ORDER_LIMIT", "ORDER BY / LIMIT / OFFSET at the top of an incremental_mv",
-            "remove it: a materialized view is an unordered set of rows")
+            "remove it: a materialized view is an unordered set of rows", node=query.args["order"])
     for node in query.walk():
         if isinstance(node, exp.Query) and (node.args.get("limit") or node.args.get("offset")):
             add("UNSUPPORTED_ORDER_LIMIT", "LIMIT / OFFSET keeps a subset of rows that no delta rule maintains",
-                _HINT_FULL)
+                _HINT_FULL, node=node.args.get("limit") or node.args.get("offset"))
 
     for name in find_order_dependent(query):
         add("UNSUPPORTED_AGGREGATE",
@@ -103,10 +123,10 @@ def check_support(query: exp.Query) -> list[Reason]:
             "touches may pick another of its valid answers than the state holds", _HINT_FULL)
     for node in query.walk():
         if isinstance(node, (exp.Intersect, exp.Except)):
-            add("UNSUPPORTED_SET_OPERATION", f"{node.key.upper()} is not supported by incremental_mv")
+            add("UNSUPPORTED_SET_OPERATION", f"{node.key.upper()} is not supported by incremental_mv", node=node)
         elif isinstance(node, exp.Union) and node.args.get("distinct"):
             add("UNSUPPORTED_SET_OPERATION", "UNION (distinct) is not supported by incremental_mv",
-                "use UNION ALL, or SELECT DISTINCT over a UNION ALL")
+                "use UNION ALL, or SELECT DISTINCT over a UNION ALL", node=node)
         elif isinstance(node, exp.Join):
             _check_join(node, add)
         elif isinstance(node, (exp.Exists, exp.Any, exp.All)) or (
@@ -116,12 +136,12 @@ def check_support(query: exp.Query) -> list[Reason]:
                 f"this {node.key.upper()} (SELECT ...) predicate is not maintained: incremental_mv maintains "
                 "EXISTS / NOT EXISTS / IN as AND-ed WHERE conditions (correlated by equalities, not aggregating "
                 "when correlated) and NOT IN when not correlated",
-                _HINT_FULL + "; rewrite as an inner join over distinct keys to maintain it")
+                _HINT_FULL + "; rewrite as an inner join over distinct keys to maintain it", node=node)
         elif isinstance(node, exp.Subquery) and not _is_relation(node):
             add("UNSUPPORTED_SUBQUERY_PREDICATE",
                 "this scalar subquery is not maintained: incremental_mv maintains one aggregate without GROUP BY, "
                 "not correlated or correlated by equalities with the SELECT around it, in its WHERE, SELECT list "
-                "or HAVING (not beside an aggregate without GROUP BY)", _HINT_FULL)
+                "or HAVING (not beside an aggregate without GROUP BY)", _HINT_FULL, node=node)
     return reasons
 
 
@@ -139,9 +159,9 @@ def _check_join(join: exp.Join, add) -> None:
     side = (join.side or "").upper()
     kind = (join.kind or "").upper()
     if kind in ("SEMI", "ANTI") and side not in ("", "LEFT"):
-        add("UNSUPPORTED_JOIN", f"{side} {kind} JOIN is not supported by incremental_mv")
+        add("UNSUPPORTED_JOIN", f"{side} {kind} JOIN is not supported by incremental_mv", node=join)
     if kind not in ("", "INNER", "CROSS", "SEMI", "ANTI", "OUTER"):
-        add("UNSUPPORTED_JOIN", f"{kind} JOIN is not supported by incremental_mv")
+        add("UNSUPPORTED_JOIN", f"{kind} JOIN is not supported by incremental_mv", node=join)
 
 
 def root_decomposable(select: exp.Select) -> bool:

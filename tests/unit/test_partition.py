@@ -180,5 +180,20 @@ def test_explain_from_a_manifest_without_spark():
     assert (done["model.p.stars"]["strategy"], done["model.p.stars"]["reason"]) == ("UNKNOWN", "NEEDS_CATALOG")
     latest = done["model.p.latest"]
     assert latest["strategy"] == "FULL" and "PARTITION_NOT_TRACEABLE" in latest["partition"]
+    assert latest["at"] == "line 1, column 34"  # ORDER BY k: the construct's place in the rendered SQL
     report = text_report({"models": list(done.values())})
     assert "agg: INCREMENTAL" in report and "summary: FULL 1, INCREMENTAL 2, UNKNOWN 1" in report
+
+
+@pytest.mark.parametrize("sql, code, at", [
+    ("select d, k\nfrom db.f\norder by k limit 3", "UNSUPPORTED_ORDER_LIMIT", "line 3, column 10"),
+    ("select d, row_number() over (order by v) as rn\nfrom db.f", "UNSUPPORTED_WINDOW", "line 1, column 11"),
+    ("select d from db.f\nwhere k > 0\nintersect select d from db.g", "UNSUPPORTED_SET_OPERATION", "line 1, column 8"),
+])
+def test_a_reason_names_where_its_construct_is(sql, code, at):
+    from dbt_ivm.errors import UnsupportedQuery
+    from dbt_ivm.plan import build_plan
+
+    with pytest.raises(UnsupportedQuery) as e:
+        build_plan(sql, CAT)
+    assert (e.value.reason.code, e.value.reason.where) == (code, at)
