@@ -151,7 +151,9 @@ class Refresher:
         if decision.strategy == PARTITION:
             decision = self._partition_cost(decision, part)
         self._settle_dvs(watermark, decision.strategy == INCREMENTAL)
-        self._settle_layout(plan, watermark, decision.strategy in (INCREMENTAL, PARTITION))
+        # A partition refresh keeps the layout it finds (a switch to append
+        # re-creates the view, which only the incremental path does).
+        self._settle_layout(plan, watermark, decision.strategy == INCREMENTAL)
         if decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and self.layout != APPEND:
             decision = Decision(FULL, Reason(
                 "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))

@@ -27,6 +27,8 @@ MODELS = {
     "pq_day": "select d, count(*) as n, sum(v) as s from {{ source('src', 'pq') }} group by d",
     "by_k": "select k, sum(v) as s from {{ source('src', 'ev') }} group by k",
     "limited": "select d, k, v from {{ source('src', 'ev') }} order by v desc limit 3",
+    # reads by_day's state through its change feed: a partition refresh's REPLACE WHERE must feed it
+    "days_total": "select count(*) as days, sum(n) as n, sum(s) as s from {{ ref('by_day') }}",
 }
 
 
@@ -43,8 +45,8 @@ def project(tmp_path_factory):
     sql(f"insert into {SRC}.pq (d, k, v) select {days}, cast(id % 7 as int), cast(id as int) from range(0, 300)")
     p.write_sources(SRC, "ev", "dim", "pq")
     for name, body in MODELS.items():
-        key = "k" if name == "by_k" else "d"
-        p.write(f"models/{name}.sql", f"{{{{ config(materialized='incremental_mv', partition_by='{key}') }}}}\n{body}")
+        key = {"by_k": "'k'", "days_total": "none"}.get(name, "'d'")
+        p.write(f"models/{name}.sql", f"{{{{ config(materialized='incremental_mv', partition_by={key}) }}}}\n{body}")
     out = p.dbt("run")
     assert out.success, out.exception
     assert {n: out.code(n) for n in MODELS} == {n: "CREATE" for n in MODELS}
@@ -72,7 +74,8 @@ def test_a_change_in_one_partition_replaces_only_that_partition(project):
     sql(f"insert into {SRC}.ev values (date'2024-01-05', 1, 10000), (date'2024-01-05', 2, 10001)")
     sql(f"delete from {SRC}.ev where d = date'2024-01-05' and v < 100")
     sql(f"update {SRC}.ev set v = v + 1 where d = date'2024-01-05' and k = 3")
-    out = _run(project, "by_day", "joined", "ranked")
+    out = _run(project, "by_day", "joined", "ranked", "days_total")
+    assert out.code("days_total") == "INCREMENTAL", out.response("days_total")
     for m in ("by_day", "joined", "ranked"):
         r = out.response(m)
         assert (r["code"], r["reason"]) == ("PARTITION", "CDF_DISABLED"), r
@@ -91,7 +94,8 @@ def test_a_change_in_one_partition_replaces_only_that_partition(project):
 def test_a_new_null_partition_and_an_emptied_partition(project):
     sql(f"insert into {SRC}.ev values (null, 1, 5)")
     sql(f"delete from {SRC}.ev where d = date'2024-01-07'")
-    out = _run(project, "by_day", "ranked")
+    out = _run(project, "by_day", "ranked", "days_total")
+    assert out.code("days_total") == "INCREMENTAL", out.response("days_total")
     for m in ("by_day", "ranked"):
         r = out.response(m)
         assert r["code"] == "PARTITION" and r["rows"]["partitions_replaced"] == 2, r
