@@ -124,7 +124,7 @@ class DbtProject:
     """A dbt project on disk, run in-process against the shared Spark session."""
 
     def __init__(self, root: Path, name: str = "itest", schema: str = "itest", threads: int = 1,
-                 targets: Optional[dict] = None, spark_conf: Optional[dict] = None):
+                 targets: Optional[dict] = None, spark_conf: Optional[dict] = None, history: bool = False):
         self.root = Path(root)
         self.name = name
         self.root.mkdir(parents=True, exist_ok=True)
@@ -140,6 +140,9 @@ class DbtProject:
                 # refresh, so the cost rule would rebuild every time; the tests of the
                 # incremental paths switch it off (test_cost_rule tests it on).
                 +ivm_cost_rule: "off"
+                # The refresh history table costs every refresh an append (~0.25 s);
+                # the suites that test it switch it on (history=True).
+                +ivm_history: {"true" if history else "false"}
         """)
         outputs = targets or {"dev": schema}
         profile = {

@@ -13,6 +13,7 @@ not failed for it, the run's log says so.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -93,6 +94,13 @@ def row(r: "Refresher", result: Result, sources: list, old_versions: dict) -> li
     return out
 
 
+# History tables this process has written to: the first write to one is made
+# under a lock, so that dbt's threads do not race to create it (one creates it,
+# the others wait and append).
+_READY: set = set()
+_LOCK = threading.Lock()
+
+
 def record(r: "Refresher", result: Result, sources: list, old_versions: dict) -> None:
     """Append the refresh's row to its history table (created on first use).
     Any failure is a note on the result, never the refresh's failure."""
@@ -102,22 +110,40 @@ def record(r: "Refresher", result: Result, sources: list, old_versions: dict) ->
     try:
         target = names_table(table)
         values = exp.Tuple(expressions=row(r, result, sources, old_versions))
-        insert = exp.Insert(this=target, expression=exp.Values(expressions=[values]))
-        try:
-            r.ex.query(insert.sql(dialect=DIALECT))
-        except Exception as e:  # noqa: BLE001 - the table is not there yet: create it, append again
-            if "TABLE_OR_VIEW_NOT_FOUND" not in str(e) and "not found" not in str(e).lower():
-                raise
-            create = exp.Create(
-                this=exp.Schema(this=target.copy(), expressions=[
-                    exp.ColumnDef(this=exp.to_identifier(c, quoted=True), kind=exp.DataType.build(t))
-                    for c, t in COLUMNS]),
-                kind="TABLE", exists=True, properties=exp.Properties(expressions=[exp.FileFormatProperty(
-                    this=exp.var("DELTA"))]))
+        insert = exp.Insert(this=target, expression=exp.Values(expressions=[values])).sql(dialect=DIALECT)
+        if table in _READY:
             try:
-                r.ex.query(create.sql(dialect=DIALECT))
-            except Exception:  # noqa: BLE001 - another refresh created it meanwhile
-                pass
-            r.ex.query(insert.sql(dialect=DIALECT))
+                r.ex.query(insert)
+                return
+            except Exception as e:  # noqa: BLE001 - dropped since: create it again, under the lock
+                if not _missing(e):
+                    raise
+                _READY.discard(table)
+        with _LOCK:
+            _append(r, target, insert)
+            _READY.add(table)
     except Exception as e:  # noqa: BLE001 - history is best effort (see the module)
         result.notes.append(f"refresh history not written to {table}: {str(e)[:200]}")
+
+
+def _append(r: "Refresher", target: exp.Table, insert: str) -> None:
+    try:
+        r.ex.query(insert)
+    except Exception as e:  # noqa: BLE001 - the table is not there (yet): create it, append again
+        if not _missing(e):
+            raise
+        create = exp.Create(
+            this=exp.Schema(this=target.copy(), expressions=[
+                exp.ColumnDef(this=exp.to_identifier(c, quoted=True), kind=exp.DataType.build(t))
+                for c, t in COLUMNS]),
+            kind="TABLE", exists=True, properties=exp.Properties(expressions=[exp.FileFormatProperty(
+                this=exp.var("DELTA"))]))
+        try:
+            r.ex.query(create.sql(dialect=DIALECT))
+        except Exception:  # noqa: BLE001 - another process created it meanwhile
+            pass
+        r.ex.query(insert)
+
+
+def _missing(e: BaseException) -> bool:
+    return "TABLE_OR_VIEW_NOT_FOUND" in str(e) or "not found" in str(e).lower()

@@ -132,11 +132,18 @@ def test_killed_refreshes_rerun_exactly(tmp_path):
     assert v["sums_operations"].count(["WRITE", "Append"]) == 7, v
 
 
-@pytest.mark.parametrize("layout", ["merge", "append"])
+@pytest.mark.parametrize("layout", ["merge", "append", "partition"])
 def test_concurrent_refreshes_apply_a_change_once(tmp_path, layout):
-    from dbt_ivm.refresh import INCREMENTAL, NOOP, Refresher
+    """``partition``: the merge layout refreshed by the PARTITION strategy
+    (ivm_policy='partition', the source and the model partitioned by k)."""
+    from dbt_ivm.refresh import INCREMENTAL, NOOP, PARTITION, Refresher
 
-    src, out = f"conc_src_{layout}", f"conc_out_{layout}"
+    partitioned = layout == "partition"
+    strategy = PARTITION if partitioned else INCREMENTAL
+    extra = {"partition_by": "k", "ivm_policy": "partition"} if partitioned else {}
+    layout = "merge" if partitioned else layout
+
+    src, out = f"conc_src_{layout}{'_p' * partitioned}", f"conc_out_{layout}{'_p' * partitioned}"
     project = DbtProject(tmp_path / "conc", name="conc", schema=out)
     project.write("models/sources.yml", f"""
         version: 2
@@ -146,12 +153,14 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path, layout):
             tables: [{{name: t}}]
     """)
     project.write("models/agg.sql", """
-        {{ config(materialized='incremental_mv', ivm_state_layout='""" + layout + """') }}
+        {{ config(materialized='incremental_mv', ivm_state_layout='""" + layout + "'" + (
+        ", partition_by='k', ivm_policy='partition'" if partitioned else "") + """) }}
         select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k
     """)
     sql(f"create schema if not exists {src}")
     sql(f"drop table if exists {src}.t")
-    sql(f"create table {src}.t (k int, v int) using delta tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"create table {src}.t (k int, v int) using delta {'partitioned by (k) ' * partitioned}"
+        "tblproperties (delta.enableChangeDataFeed = true)")
     sql(f"insert into {src}.t select id % 5, id from range(0, 40)")
     built = project.dbt("run")
     assert built.code("agg") == "CREATE"
@@ -171,7 +180,7 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path, layout):
             ex = SessionExecutor(spark().newSession())
             barrier.wait()
             try:
-                config = {"ivm_change_feed": feed, "ivm_state_layout": layout, "ivm_cost_rule": "off"}
+                config = {"ivm_change_feed": feed, "ivm_state_layout": layout, "ivm_cost_rule": "off", **extra}
                 outcomes.append(Refresher(ex, compiled, f"{out}.agg", config, False).run().strategy)
             except Exception as e:  # a clean failure: Delta's conflict check
                 outcomes.append(f"error: {type(e).__name__}")
@@ -181,20 +190,23 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path, layout):
             t.start()
         for t in threads:
             t.join()
-        assert outcomes.count(INCREMENTAL) <= 1, outcomes
+        assert outcomes.count(strategy) <= 1, outcomes
         assert _writes(out) - writes_before <= 1, outcomes
         assert change_feed_of(f"{out}.agg__ivm_state") == feed
         # whatever happened, one more refresh leaves the model exact, the change applied once
         final = project.dbt("run")
-        assert final.code("agg") in (INCREMENTAL, NOOP)
+        assert final.code("agg") in (strategy, NOOP)
         assert _writes(out) - writes_before == 1, (outcomes, final.code("agg"))
         assert check_model(f"{out}.agg", compiled) is None
 
 
 def _writes(out: str) -> int:
-    """The state's writes of a change: MERGEs, or appended layers (not the
-    compactions, which change no group's sums)."""
+    """The state's writes of a change: MERGEs, appended layers (not the
+    compactions, which change no group's sums), partitions replaced (an
+    overwrite with a predicate)."""
     return sum(
         1 for r in sql(f"describe history {out}.agg__ivm_state")
         if r.operation == "MERGE" or (r.operation == "WRITE" and r.operationParameters.get("mode") == "Append")
+        or (r.operation == "WRITE" and r.operationParameters.get("mode") == "Overwrite"
+            and r.operationParameters.get("predicate") not in (None, "", "[]"))
     )

@@ -34,7 +34,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    p = DbtProject(tmp_path_factory.mktemp("partition"), name="partition", schema=OUT)
+    p = DbtProject(tmp_path_factory.mktemp("partition"), name="partition", schema=OUT, history=True)
     fresh_schemas(OUT, SRC)
     days = f"date_add(date'2024-01-01', cast(id % {DAYS} as int))"
     sql(f"create table {SRC}.ev (d date, k int, v int) using delta partitioned by (d) {NO_FEED}")

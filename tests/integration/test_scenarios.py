@@ -76,7 +76,7 @@ class Suite:
         # A one-step case's batched run is its stepwise run (one window, one
         # refresh): only cases with several steps get a batched variant.
         self.batched = [c for c in cases if c.get("batched", True) and len(c["steps"]) > 1]
-        self.project = DbtProject(root, name="scenarios", threads=6, schema=OUT)
+        self.project = DbtProject(root, name="scenarios", threads=6, schema=OUT, history=True)
         self.failures: dict[str, list[str]] = {c["id"]: [] for c in cases}
         self.strategies: dict[str, list[str]] = {c["id"]: [] for c in cases}
         self.responses: list[tuple[str, str, dict]] = []  # (model, step label, adapter_response) of every refresh
