@@ -8,7 +8,7 @@ from dbt_ivm.config import validate_config
 from dbt_ivm.errors import IvmConfigError, Reason
 from dbt_ivm.names import canonical
 from dbt_ivm.partitions import lineage
-from dbt_ivm.refresh import FULL, INCREMENTAL, NOOP, PARTITION, Watermark, decide
+from dbt_ivm.refresh import FULL, INCREMENTAL, NOOP, PARTITION, Decision, Watermark, decide
 from dbt_ivm.refresh.facts import commit_partitions, listing_changes, partition_values
 from dbt_ivm.refresh.partition import Change
 
@@ -197,3 +197,33 @@ def test_a_reason_names_where_its_construct_is(sql, code, at):
     with pytest.raises(UnsupportedQuery) as e:
         build_plan(sql, CAT)
     assert (e.value.reason.code, e.value.reason.where) == (code, at)
+
+
+class _Counts:
+    """A fake executor answering the partition count query."""
+
+    def __init__(self, partitions: int):
+        self.partitions, self.sql = partitions, []
+
+    def query(self, sql: str):
+        self.sql.append(sql)
+        return [(self.partitions,)]
+
+
+@pytest.mark.parametrize("changed, total, policy, expected, counted", [
+    (("a",), 4, "auto", PARTITION, False),  # one partition: never counted, never dearer
+    (("a", "b"), 4, "auto", PARTITION, True),  # 2 of 4: at the threshold
+    (("a", "b", "c"), 4, "auto", FULL, True),  # 3 of 4: PARTITIONS_TOO_MANY
+    (("a", "b", "c"), 4, "partition", PARTITION, False),  # the policy pins the step
+])
+def test_a_change_of_most_partitions_rebuilds_under_auto(changed, total, policy, expected, counted):
+    from dbt_ivm.refresh import Refresher
+
+    ex = _Counts(total)
+    r = Refresher(ex, "select d from db.f", "db.m", {"partition_by": "d", "ivm_policy": policy}, False)
+    d = r._partition_cost(Decision(PARTITION, Reason("CDF_DISABLED", "x"), ((INCREMENTAL, Reason("CDF_DISABLED", "x")),)),
+                          Change("d", changed))
+    assert d.strategy == expected
+    assert bool(ex.sql) == counted
+    if expected == FULL:
+        assert d.reason.code == "CDF_DISABLED" and d.skipped[-1][1].code == "PARTITIONS_TOO_MANY"
