@@ -3,7 +3,7 @@ decision chain INCREMENTAL -> PARTITION -> FULL, the configs, and explain."""
 
 import pytest
 
-from dbt_ivm.catalog import DELTA, OTHER, Catalog, Source
+from dbt_ivm.catalog import OTHER, Catalog, Source
 from dbt_ivm.config import validate_config
 from dbt_ivm.errors import IvmConfigError, Reason
 from dbt_ivm.names import canonical
