@@ -46,6 +46,7 @@ class Result:
     notes: list = field(default_factory=list)  # said after the message
     skipped: list = field(default_factory=list)  # (strategy, Reason) of the chain's steps skipped
     phases: dict = field(default_factory=dict)  # seconds per phase
+    estimates: dict = field(default_factory=dict)  # strategy -> seconds the cost rule estimated (decide.estimates)
     run_id: str = ""  # the refresh's id (Refresher.run_id)
 
     def message(self) -> str:
@@ -61,6 +62,8 @@ class Result:
         parts.append(f"in {self.seconds:.2f}s")
         if self.skipped and self.strategy not in (NOOP, CREATE):
             parts.append("(skipped: " + ", ".join(f"{s} [{r.code}]" for s, r in self.skipped) + ")")
+        if self.estimates:
+            parts.append("(estimated: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.estimates.items()) + ")")
         parts.extend(f"({n})" for n in self.notes)
         if self.reason and self.reason.detail:
             parts.append(f"- {self.reason.detail}")
@@ -88,10 +91,10 @@ def too_large(sizes: dict, threshold: float) -> Optional[Reason]:
     return None
 
 
-# After this many rebuilds in a row chosen by the cost rule, the next refresh
-# is incremental again, to measure it anew: a single slow incremental refresh
-# (a first MERGE into a new state, a cold JVM, a one-off compaction) must not
-# make every later refresh a rebuild.
+# After this many refreshes in a row that the cost rule turned away from
+# INCREMENTAL, the next refresh is incremental again, to measure it anew: a
+# single slow incremental refresh (a first MERGE into a new state, a cold JVM,
+# a one-off compaction) must not make every later refresh a rebuild.
 RETRY_AFTER = 3
 
 
@@ -101,40 +104,93 @@ RETRY_AFTER = 3
 INCREMENTAL_PRIOR_S = 2.0
 
 
-def cheaper_to_rebuild(costs: dict, changes: int) -> Optional[Reason]:
-    """Cost rule of ivm_policy='auto' (ivm_cost_rule='auto'): rebuild when the
-    newest rebuild cost less than this incremental refresh is estimated to.
-    The estimate is the newest incremental refresh's cost, grown with the
-    change (half of it taken as fixed cost), or INCREMENTAL_PRIOR_S when none
-    was measured. Without a measured rebuild, no opinion; after RETRY_AFTER of
-    its rebuilds in a row, none either (the next refresh measures anew).
+# The share of a rebuild's time that does not shrink with the data it writes
+# (planning, the log, the commit, dbt's own work): before a partition refresh
+# was measured, one of k of n partitions is estimated at
+# rebuild × (FIXED_SHARE + (1 − FIXED_SHARE) × k / n).
+FIXED_SHARE = 0.4
 
-    >>> cheaper_to_rebuild({"full": 1.5}, 10).code
-    'REBUILD_CHEAPER'
-    >>> cheaper_to_rebuild({"full": 30.0, "incremental": (3.0, 1000)}, 1000) is None
-    True
-    >>> cheaper_to_rebuild({"full": 30.0, "incremental": (3.0, 1000)}, 100000).code
-    'REBUILD_CHEAPER'
-    >>> cheaper_to_rebuild({"full": 1.5, "rebuilt": RETRY_AFTER}, 10) is None  # measure again
-    True
+
+# Reason codes of the cost rule's choices (see cheapest).
+COST_REASONS = ("REBUILD_CHEAPER", "PARTITION_CHEAPER")
+
+
+def _scaled(seconds: float, before: int, now: int) -> float:
+    """A measured cost grown with the work: half of it taken as fixed, never below it."""
+    return seconds * max(1.0, 0.5 + 0.5 * now / max(before, 1))
+
+
+def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = None,
+              total: Optional[int] = None) -> dict:
+    """Seconds each strategy is estimated to take, with the basis of each:
+    ``{strategy: (seconds, basis)}``. From the state's own history (``costs``:
+    watermark.measured_costs): INCREMENTAL the newest incremental refresh grown
+    with the changed rows (or INCREMENTAL_PRIOR_S before one was measured);
+    PARTITION the newest partition refresh grown with the partitions replaced,
+    else a share of the newest rebuild (FIXED_SHARE, ``replaced`` of ``total``);
+    FULL the newest rebuild. A strategy without a basis has no estimate.
+
+    >>> est = estimates({"full": 10.0, "incremental": (3.0, 1000)}, 4000, replaced=1, total=30)
+    >>> {k: round(v[0], 2) for k, v in est.items()}
+    {'INCREMENTAL': 7.5, 'PARTITION': 4.2, 'FULL': 10.0}
+    >>> round(estimates({"full": 10.0, "partition": (2.0, 1)}, None, replaced=3)["PARTITION"][0], 2)
+    4.0
     """
+    out: dict = {}
+    if changes is not None:
+        if costs.get("incremental"):
+            seconds, before = costs["incremental"]
+            out[INCREMENTAL] = (_scaled(seconds, before, changes),
+                                f"the last incremental refresh took {seconds:.1f}s for {before} changed rows")
+        else:
+            out[INCREMENTAL] = (INCREMENTAL_PRIOR_S, "no incremental refresh measured yet")
     full = costs.get("full")
-    if full is None or costs.get("rebuilt", 0) >= RETRY_AFTER:
-        return None
-    if costs.get("incremental"):
-        seconds, before = costs["incremental"]
-        estimate = seconds * max(1.0, 0.5 + 0.5 * changes / max(before, 1))
-        basis = f"the last incremental refresh took {seconds:.1f}s for {before} changed rows"
-    else:
-        estimate, basis = INCREMENTAL_PRIOR_S, "no incremental refresh measured yet"
-    if full >= estimate:
-        return None
-    return Reason(
-        "REBUILD_CHEAPER",
-        f"the last rebuild took {full:.1f}s; applying {changes} changed rows is estimated at "
-        f"{estimate:.1f}s ({basis})",
-        "ivm_cost_rule: off refreshes incrementally whenever the query and the change allow",
-    )
+    if replaced is not None:
+        if costs.get("partition"):
+            seconds, before = costs["partition"]
+            out[PARTITION] = (_scaled(seconds, before, replaced),
+                              f"the last partition refresh took {seconds:.1f}s for {before} partitions")
+        elif full is not None and total:
+            share = FIXED_SHARE + (1 - FIXED_SHARE) * min(replaced, total) / total
+            out[PARTITION] = (full * share, f"{replaced} of {total} partitions of the last rebuild's {full:.1f}s")
+    if full is not None:
+        out[FULL] = (full, "the last rebuild")
+    return out
+
+
+def cheapest(candidates: list, est: dict, costs: dict) -> tuple[str, Optional[Reason]]:
+    """The strategy to take among ``candidates`` (in the chain's order; the
+    last is FULL): the one estimated cheapest, compared only where both have
+    an estimate; the first (the chain's choice) unless another is estimated
+    cheaper. Returns (strategy, the cost reason for passing over the first, or
+    None). After RETRY_AFTER refreshes in a row that passed over INCREMENTAL
+    for cost, INCREMENTAL is taken to measure it anew.
+
+    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (2.0, "prior"), FULL: (1.5, "the last rebuild")}, {})[1].code
+    'REBUILD_CHEAPER'
+    >>> cheapest([INCREMENTAL, PARTITION, FULL], {INCREMENTAL: (5.0, "m"), PARTITION: (2.0, "p"), FULL: (9.0, "f")}, {})[0]
+    'PARTITION'
+    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (1.0, "f")}, {"rebuilt": RETRY_AFTER})
+    ('INCREMENTAL', None)
+    >>> cheapest([PARTITION, FULL], {PARTITION: (3.0, "p")}, {})  # no rebuild measured: no opinion
+    ('PARTITION', None)
+    """
+    first = candidates[0]
+    if first == INCREMENTAL and costs.get("rebuilt", 0) >= RETRY_AFTER:
+        return first, None
+    known = [c for c in candidates if c in est]
+    if first not in est or len(known) < 2:
+        return first, None
+    best = min(known, key=lambda c: (est[c][0], candidates.index(c)))
+    if best == first:
+        return first, None
+    code = "REBUILD_CHEAPER" if best == FULL else "PARTITION_CHEAPER"
+    what = {INCREMENTAL: "applying the change row by row", PARTITION: "replacing the changed partitions",
+            FULL: "a rebuild"}
+    return best, Reason(
+        code, f"{what[best]} is estimated at {est[best][0]:.1f}s ({est[best][1]}), {what[first]} at "
+        f"{est[first][0]:.1f}s ({est[first][1]})",
+        "ivm_cost_rule: off takes the first strategy of the chain that applies")
 
 
 NOT_PARTITIONED = Reason("NOT_PARTITIONED", "the model has no partition_by",

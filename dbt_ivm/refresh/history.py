@@ -47,6 +47,7 @@ COLUMNS = (
     ("rows_deleted", "bigint"),
     ("seconds", "double"),
     ("phases", "string"),  # JSON: {phase: seconds}
+    ("estimates", "string"),  # JSON: {strategy: seconds the cost rule estimated} (compare with seconds)
 )
 
 
@@ -87,7 +88,7 @@ def row(r: "Refresher", result: Result, sources: list, old_versions: dict) -> li
         json.dumps(versions), json.dumps(result.sizes),
         rows.get("partitions_replaced"), rows.get("partitions"),
         rows.get("inserted", rows.get("appended")), rows.get("updated"), rows.get("deleted"),
-        round(result.seconds, 3), json.dumps(result.phases),
+        round(result.seconds, 3), json.dumps(result.phases), json.dumps(result.estimates),
     ]
     out = [_value(v) for v in values]
     out[3], out[4] = _micros(r.started or ended), _micros(ended)
@@ -127,22 +128,27 @@ def record(r: "Refresher", result: Result, sources: list, old_versions: dict) ->
 
 
 def _append(r: "Refresher", target: exp.Table, insert: str) -> None:
+    """The first append of this process: CREATE TABLE IF NOT EXISTS first (a
+    failed INSERT into a missing table would do, but Spark logs it as an error
+    with its whole stack), the columns a newer dbt-ivm added to a table an
+    older one created, then the row."""
+    create = exp.Create(
+        this=exp.Schema(this=target.copy(), expressions=[
+            exp.ColumnDef(this=exp.to_identifier(c, quoted=True), kind=exp.DataType.build(t))
+            for c, t in COLUMNS]),
+        kind="TABLE", exists=True, properties=exp.Properties(expressions=[exp.FileFormatProperty(
+            this=exp.var("DELTA"))]))
     try:
-        r.ex.query(insert)
-    except Exception as e:  # noqa: BLE001 - the table is not there (yet): create it, append again
-        if not _missing(e):
-            raise
-        create = exp.Create(
-            this=exp.Schema(this=target.copy(), expressions=[
-                exp.ColumnDef(this=exp.to_identifier(c, quoted=True), kind=exp.DataType.build(t))
-                for c, t in COLUMNS]),
-            kind="TABLE", exists=True, properties=exp.Properties(expressions=[exp.FileFormatProperty(
-                this=exp.var("DELTA"))]))
-        try:
-            r.ex.query(create.sql(dialect=DIALECT))
-        except Exception:  # noqa: BLE001 - another process created it meanwhile
-            pass
-        r.ex.query(insert)
+        r.ex.query(create.sql(dialect=DIALECT))
+    except Exception:  # noqa: BLE001 - another process created it meanwhile
+        pass
+    have = {str(row[0]).lower() for row in r.ex.query(f"SHOW COLUMNS IN {target.sql(dialect=DIALECT)}")}
+    missing = [(c, t) for c, t in COLUMNS if c not in have]
+    if missing:
+        add = exp.Alter(this=target.copy(), kind="TABLE", actions=[exp.Schema(expressions=[
+            exp.ColumnDef(this=exp.to_identifier(c, quoted=True), kind=exp.DataType.build(t)) for c, t in missing])])
+        r.ex.query(add.sql(dialect=DIALECT))
+    r.ex.query(insert)
 
 
 def _missing(e: BaseException) -> bool:

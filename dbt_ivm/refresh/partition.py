@@ -109,7 +109,7 @@ def _changed_values(r: "Refresher", column: str, mapped: dict, changed: list[Sou
 def run(r: "Refresher", plan, sources: list[Source], watermark: Watermark, change: Change,
         result: Result) -> None:
     """Replace the changed partitions of the state (see the module)."""
-    result.rows["partitions_replaced"] = len(change.values)
+    result.rows["partitions_replaced"] = r.replaced = len(change.values)
     if not change.values:
         result.strategy, result.reason = NOOP, Reason(
             "NO_ROW_CHANGES", "sources have new versions but no partition's data changed")

@@ -27,7 +27,7 @@ from dbt_ivm.plan import BAG, Plan, build_plan, referenced_tables, signature
 from dbt_ivm.refresh import full, history, incremental, partition
 from dbt_ivm.refresh.decide import (
     _REBUILD_REASONS, CREATE, FULL, INCREMENTAL, NOOP, NOT_PARTITIONED, PARTITION, SMALL_CHANGE, Decision, Result,
-    changed_sources, cheaper_to_rebuild, decide, too_large,
+    changed_sources, cheapest, decide, estimates, too_large,
 )
 from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, describe_source, relations_present
 from dbt_ivm.refresh.full import _digest, _properties
@@ -85,6 +85,7 @@ class Refresher:
         self.started: Optional[float] = None
         self.view_key = ""  # digest of the model's view statement once this refresh is done (Watermark.view)
         self.changes: Optional[int] = None  # changed source rows an incremental refresh applies
+        self.replaced: Optional[int] = None  # partitions a partition refresh replaces
         # The state's own change feed costs every write ~30 %; it is kept only for
         # readers of it: incremental_mv models built on this one.
         feed = self.config["ivm_change_feed"]
@@ -144,12 +145,12 @@ class Refresher:
                 # upstream MERGE that changed no row): nothing to write. The
                 # watermark stays; the empty range is re-read cheaply next time.
                 decision = Decision(NOOP, Reason("NO_ROW_CHANGES", "sources have new versions but no changed rows"))
-            elif self.config["ivm_policy"] == "auto" and self.config["ivm_cost_rule"] == "auto":
-                cheaper = cheaper_to_rebuild(watermark.costs, self.changes)
-                if cheaper:
-                    decision = self._fallback(part, cheaper, decision.skipped)
         if decision.strategy == PARTITION:
             decision = self._partition_cost(decision, part)
+        estimated: dict = {}
+        if decision.strategy in (INCREMENTAL, PARTITION) and self.config["ivm_policy"] == "auto" \
+                and self.config["ivm_cost_rule"] == "auto":
+            decision, estimated = self._cheapest(decision, part, watermark)
         self._settle_dvs(watermark, decision.strategy == INCREMENTAL)
         # A partition refresh keeps the layout it finds (a switch to append
         # re-creates the view, which only the incremental path does).
@@ -159,6 +160,7 @@ class Refresher:
                 "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
         self.phases["decide"] = round(time.time() - start - sum(self.phases.values()), 3)
         result = Result(decision.strategy, decision.reason, skipped=list(decision.skipped))
+        result.estimates = {k: round(v[0], 2) for k, v in estimated.items()}
         result.sizes = {n: c for n, (c, _) in sizes.items()}
         if decision.strategy == INCREMENTAL:
             small = sum(result.sizes.values()) <= BROADCAST_ROWS
@@ -205,12 +207,36 @@ class Refresher:
             return Decision(PARTITION, reason, skipped)
         return Decision(FULL, reason, skipped + ((PARTITION, part),))
 
+    def _cheapest(self, decision: Decision, part, watermark: Watermark) -> tuple[Decision, dict]:
+        """The cost rule (ivm_policy 'auto', ivm_cost_rule 'auto'): among the
+        strategies of the chain that apply from the one decided on, the one
+        estimated cheapest from the state's measured costs (decide.estimates).
+        Returns the decision and the estimates (recorded beside the actual time)."""
+        candidates = [decision.strategy] + ([PARTITION] if decision.strategy == INCREMENTAL and
+                                            not isinstance(part, Reason) else []) + [FULL]
+        replaced = total = None
+        costs = watermark.costs
+        if PARTITION in candidates:
+            replaced = len(part.values)
+            if not costs.get("partition") and costs.get("full") is not None:
+                total = self.partition_total()
+        est = estimates(costs, self.changes if decision.strategy == INCREMENTAL else None, replaced, total)
+        best, why = cheapest(candidates, est, costs)
+        if best == decision.strategy:
+            return decision, est
+        skipped = decision.skipped + ((decision.strategy, why),)
+        if best == PARTITION:
+            return Decision(PARTITION, why, skipped), est
+        if decision.strategy == INCREMENTAL:
+            skipped += ((PARTITION, why if PARTITION in candidates else part),)
+        return Decision(FULL, why if decision.strategy == INCREMENTAL else decision.reason, skipped), est
+
     def _partition_cost(self, decision: Decision, part) -> Decision:
         """Under ivm_policy 'auto', a change touching more than
         ivm_partition_threshold of the state's partitions is rebuilt whole."""
         if self.config["ivm_policy"] != "auto" or len(part.values) < 2:
             return decision  # one partition: never dearer than rebuilding them all (no count needed)
-        total = partition.count_partitions(self)
+        total = self.partition_total()
         if total and len(part.values) > self.config["ivm_partition_threshold"] * total:
             why = Reason("PARTITIONS_TOO_MANY",
                          f"the change touches {len(part.values)} of the model's {total} partitions, more than "
@@ -218,6 +244,12 @@ class Refresher:
                          "a rebuild is cheaper; raise ivm_partition_threshold to replace partitions anyway")
             return Decision(FULL, decision.reason or why, decision.skipped + ((PARTITION, why),))
         return decision
+
+    def partition_total(self) -> Optional[int]:
+        """How many partitions the state holds before this refresh writes (counted once)."""
+        if not hasattr(self, "_partitions_before"):
+            self._partitions_before = partition.count_partitions(self)
+        return self._partitions_before
 
     def _allowed(self, decision: Decision, cause: Optional[BaseException] = None) -> None:
         """Under ivm_policy 'incremental' or 'partition' a fallback to FULL is an
@@ -259,6 +291,7 @@ class Refresher:
             change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
             recomputed=self.recomputed, layout=self.layout, started=self.started,
             changes=self.changes if decision.strategy == INCREMENTAL else None, view=self.view_key,
+            replaced=self.replaced if decision.strategy == PARTITION else None,
         )
 
     def view_statement(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> str:

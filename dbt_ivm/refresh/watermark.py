@@ -14,7 +14,7 @@ from typing import Optional
 from dbt_ivm.catalog import MV, Source
 from dbt_ivm.config import MERGE
 from dbt_ivm.names import canonical, suffixed
-from dbt_ivm.refresh.decide import CREATE, FULL, INCREMENTAL
+from dbt_ivm.refresh.decide import COST_REASONS, CREATE, FULL, INCREMENTAL, PARTITION
 from dbt_ivm.refresh.log import (
     _NO_ROW_CHANGE_OPS, Executor, _epoch, append_layers, describe_history, dv_merges, written_bytes,
 )
@@ -55,6 +55,7 @@ class Watermark:
     foreign: str = ""  # ... and a write of the state made outside dbt-ivm since (foreign_write)
     started: Optional[float] = None  # when its refresh started (epoch seconds): its commit's time minus this is its cost
     changes: Optional[int] = None  # the changed source rows its (incremental) refresh applied
+    replaced: Optional[int] = None  # the partitions its (partition) refresh replaced
     view: str = ""  # digest of the view statement over the state (a rebuild re-creates the view only if it differs)
     costs: dict = field(default_factory=dict)  # ... and measured_costs of its recent commits
     sums: dict = field(default_factory=dict)  # AVG sum state column -> Spark's sum type (apply.avg_sum_types)
@@ -144,8 +145,10 @@ def measured_costs(history: list[tuple]) -> dict:
     """What the newest rebuild and the newest incremental refresh among these
     commits (DESCRIBE HISTORY rows, newest first) cost: the time from the
     refresh's start (its watermark's ``started``) to its commit. ``full``:
-    seconds; ``incremental``: (seconds, changed rows applied); ``rebuilt``:
-    the cost rule's rebuilds (REBUILD_CHEAPER) newer than that incremental one.
+    seconds; ``incremental``: (seconds, changed rows applied); ``partition``:
+    (seconds, partitions replaced); ``rebuilt``: the refreshes the cost rule
+    turned away from INCREMENTAL (decide.COST_REASONS) newer than that
+    incremental one.
 
     >>> import datetime as d
     >>> t0 = d.datetime(2026, 1, 1, 12, 0, 0)
@@ -159,7 +162,7 @@ def measured_costs(history: list[tuple]) -> dict:
     out: dict = {"rebuilt": 0}
     for row in history:
         wm = Watermark.from_json(row[13] if len(row) > 13 else None)
-        if wm is not None and "incremental" not in out and wm.reason == "REBUILD_CHEAPER":
+        if wm is not None and "incremental" not in out and wm.reason in COST_REASONS:
             out["rebuilt"] += 1
         end = _epoch(row[1])
         if wm is None or wm.started is None or end is None or not 0 <= end - wm.started < 86400:
@@ -169,6 +172,8 @@ def measured_costs(history: list[tuple]) -> dict:
             out["full"] = seconds
         elif wm.strategy == INCREMENTAL and "incremental" not in out:
             out["incremental"] = (seconds, int(wm.changes or 0))
+        elif wm.strategy == PARTITION and "partition" not in out and wm.replaced:
+            out["partition"] = (seconds, int(wm.replaced))
     return out
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dbt.adapters.spark_ivm import delta_log
 from dbt_ivm import refresh
-from dbt_ivm.refresh import Refresher, cheaper_to_rebuild, commit_stamps, describe_history, read_watermark
+from dbt_ivm.refresh import Refresher, cheapest, commit_stamps, describe_history, estimates, read_watermark
 from tests.harness import DbtProject, SessionExecutor, check_model, fresh_schemas, spark, sql
 
 pytestmark = pytest.mark.spark
@@ -75,7 +75,7 @@ def test_cost_rule_follows_the_measured_costs(project):
         _, wm = read_watermark(ex, f"{OUT}.m__ivm_state")
         assert wm.started is not None and "full" in wm.costs and wm.costs["full"] > 0, wm.costs
         sql(f"update {SRC}.t set v = v + 1 where v % 50 = {step}")  # 4 rows
-        expected = cheaper_to_rebuild(wm.costs, 4)
+        _, expected = cheapest(["INCREMENTAL", "FULL"], estimates(wm.costs, 4), wm.costs)
         out = project.dbt("run")
         assert out.success, out.exception
         response = out.response("m")

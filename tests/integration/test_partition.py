@@ -210,3 +210,38 @@ def test_explain_live_and_offline(project):
     assert strict.returncode == 1, strict.stdout
     ok = subprocess.run(args + ["--strict", "--select", "by_day"], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout
+
+
+def test_the_cost_rule_weighs_the_partition_strategy_and_records_its_estimates(project):
+    """Under ivm_cost_rule 'auto' a model that could refresh row by row or by
+    partition takes the one its measured costs estimate cheaper; the estimates
+    are in adapter_response and the history row beside the time taken."""
+    import json
+
+    from dbt_ivm.refresh import cheapest, estimates, read_watermark
+    from tests.harness import SessionExecutor
+
+    sql(f"create table {SRC}.evf (d date, k int, v int) using delta partitioned by (d) "
+        "tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"insert into {SRC}.evf select date_add(date'2024-01-01', cast(id % {DAYS} as int)), "
+        "cast(id % 7 as int), cast(id as int) from range(0, 600)")
+    project.write_sources(SRC, "ev", "dim", "pq", "evf")
+    project.write("models/costed.sql", "{{ config(materialized='incremental_mv', partition_by='d', "
+                  "ivm_cost_rule='auto') }}\nselect d, k, sum(v) as s from {{ source('src', 'evf') }} group by d, k")
+    assert project.dbt("run", "--select", "costed").code("costed") == "CREATE"
+    taken = []
+    for step in range(4):
+        _, wm = read_watermark(SessionExecutor(), f"{OUT}.costed__ivm_state")
+        total = None if wm.costs.get("partition") else DAYS
+        sql(f"insert into {SRC}.evf values (date_add(date'2024-01-01', {step}), 1, {step})")
+        est = estimates(wm.costs, 1, replaced=1, total=total)
+        expected, why = cheapest(["INCREMENTAL", "PARTITION", "FULL"], est, wm.costs)
+        response = _run(project, "costed").response("costed")
+        assert response["code"] == expected, (response, est, wm.costs)
+        assert response.get("reason") == (why.code if why else None), response
+        assert response["estimates"] == {k: round(v[0], 2) for k, v in est.items()}, response
+        taken.append(expected)
+    rows = sql(f"select strategy, estimates, seconds from {OUT}.ivm_refresh_history "
+               f"where model = '`{OUT}`.`costed`' order by started")
+    assert [r.strategy for r in rows] == ["CREATE", *taken]
+    assert all(set(json.loads(r.estimates)) >= {"INCREMENTAL", "FULL"} for r in rows[1:]), rows

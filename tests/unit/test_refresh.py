@@ -364,18 +364,49 @@ def test_cost_rule_values():
         validate_config({"ivm_cost_rule": "never"}, model="m")
 
 
-def test_cost_rule_estimates():
-    from dbt_ivm.refresh import INCREMENTAL_PRIOR_S, cheaper_to_rebuild
+def _choice(costs, changes, candidates=("INCREMENTAL", "FULL"), replaced=None, total=None):
+    from dbt_ivm.refresh.decide import cheapest, estimates
 
-    assert cheaper_to_rebuild({}, 10) is None  # no rebuild measured: no opinion
-    assert cheaper_to_rebuild({"full": INCREMENTAL_PRIOR_S + 1}, 10) is None
-    assert cheaper_to_rebuild({"full": INCREMENTAL_PRIOR_S - 1}, 10).code == "REBUILD_CHEAPER"
+    return cheapest(list(candidates), estimates(costs, changes, replaced, total), costs)
+
+
+def test_cost_rule_estimates():
+    from dbt_ivm.refresh import INCREMENTAL_PRIOR_S
+
+    assert _choice({}, 10) == ("INCREMENTAL", None)  # no rebuild measured: no opinion
+    assert _choice({"full": INCREMENTAL_PRIOR_S + 1}, 10) == ("INCREMENTAL", None)
+    assert _choice({"full": INCREMENTAL_PRIOR_S - 1}, 10)[1].code == "REBUILD_CHEAPER"
     # measured: a smaller change never estimated below the last cost; a bigger one grows it
-    assert cheaper_to_rebuild({"full": 5.0, "incremental": (4.0, 100)}, 1) is None
-    assert cheaper_to_rebuild({"full": 5.0, "incremental": (4.0, 100)}, 100) is None  # 4.0 s
-    assert cheaper_to_rebuild({"full": 6.5, "incremental": (4.0, 100)}, 200) is None  # 6.0 s
-    reason = cheaper_to_rebuild({"full": 5.0, "incremental": (4.0, 100)}, 1000)  # 22 s
-    assert reason.code == "REBUILD_CHEAPER" and "5.0s" in reason.message() and "22.0s" in reason.message()
+    assert _choice({"full": 5.0, "incremental": (4.0, 100)}, 1)[1] is None
+    assert _choice({"full": 5.0, "incremental": (4.0, 100)}, 100)[1] is None  # 4.0 s
+    assert _choice({"full": 6.5, "incremental": (4.0, 100)}, 200)[1] is None  # 6.0 s
+    strategy, reason = _choice({"full": 5.0, "incremental": (4.0, 100)}, 1000)  # 22 s
+    assert strategy == "FULL" and reason.code == "REBUILD_CHEAPER"
+    assert "5.0s" in reason.message() and "22.0s" in reason.message()
+
+
+def test_cost_rule_weighs_the_partition_strategy():
+    chain = ("INCREMENTAL", "PARTITION", "FULL")
+    # before a partition refresh was measured: a share of the last rebuild
+    strategy, reason = _choice({"full": 10.0, "incremental": (6.0, 100)}, 100, chain, replaced=1, total=30)
+    assert strategy == "PARTITION" and reason.code == "PARTITION_CHEAPER", reason
+    assert "1 of 30 partitions" in reason.detail and "6.0s" in reason.detail
+    # many partitions: estimated near the rebuild (its fixed share is paid either way) ...
+    assert _choice({"full": 10.0, "incremental": (30.0, 100)}, 100, chain, replaced=29, total=30)[0] == "PARTITION"
+    # ... and past it once partition refreshes were measured
+    assert _choice({"full": 10.0, "partition": (4.0, 5)}, None, ("PARTITION", "FULL"), replaced=29)[0] == "FULL"
+    # measured partition refreshes grow with the partitions replaced
+    costs = {"full": 10.0, "incremental": (3.0, 100), "partition": (2.0, 1)}
+    assert _choice(costs, 100, chain, replaced=1)[0] == "PARTITION"  # 2.0 s against 3.0 s
+    assert _choice(costs, 10, ("INCREMENTAL", "PARTITION", "FULL"), replaced=3) == ("INCREMENTAL", None)  # 4 s
+    assert _choice(costs, 1000, chain, replaced=1)[0] == "PARTITION"  # incremental 16.5 s
+    assert _choice(costs, 1000, chain, replaced=20)[0] == "FULL"  # partition 21 s
+    # no partition count and no measured partition refresh: PARTITION is not weighed
+    assert _choice({"full": 10.0, "incremental": (6.0, 100)}, 100, chain, replaced=1)[0] == "INCREMENTAL"
+    # the chain's first step when the incremental one is blocked
+    assert _choice({"full": 10.0}, None, ("PARTITION", "FULL"), replaced=2, total=4)[0] == "PARTITION"
+    assert _choice({"full": 1.0}, None, ("PARTITION", "FULL"), replaced=2, total=4)[0] == "PARTITION"  # 0.7 s
+    assert _choice({"full": 1.0, "partition": (3.0, 2)}, None, ("PARTITION", "FULL"), replaced=2)[0] == "FULL"
 
 
 def _plan(sql):

@@ -33,6 +33,7 @@ class IvmAdapterResponse(AdapterResponse):
     skipped: Optional[list] = None  # [{strategy, reason, detail}] of the chain's steps not taken
     phases: Optional[dict] = None  # seconds per phase of the refresh
     run_id: Optional[str] = None  # the refresh's id: its row of the history table, its watermark's run
+    estimates: Optional[dict] = None  # strategy -> seconds the cost rule estimated, beside ``seconds``
 
 
 class _Executor:
@@ -192,6 +193,7 @@ class SparkIvmAdapter(SparkAdapter):
             skipped=[{"strategy": s, "reason": r.code, "detail": r.detail} for s, r in result.skipped] or None,
             phases=result.phases or None,
             run_id=result.run_id or None,
+            estimates=result.estimates or None,
         )
 
     @available
