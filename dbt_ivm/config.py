@@ -40,8 +40,8 @@ def _expected() -> dict:
         "ivm_deletion_vectors": f"auto (on once the state table is {AUTO_BYTES >> 20} MiB), true, false",
         "ivm_state_layout": "auto (append for a big aggregate state without MIN/MAX that no incremental_mv "
                             "reads, else merge), merge, append",
-        "ivm_cost_rule": "auto (under ivm_policy 'auto', rebuild when the state's history says a rebuild "
-                         "costs less than the incremental refresh would), off",
+        "ivm_cost_rule": "auto (under ivm_policy 'auto', take the strategy the state's measured costs "
+                         "estimate cheapest), off",
         "ivm_partition_threshold": "a number in (0, 1]: the fraction of the model's partitions a change may "
                                    "touch before a partition refresh gives way to a full rebuild",
         "ivm_history": "true (a row per refresh in <target schema>.ivm_refresh_history), false, or the "

@@ -23,10 +23,8 @@ partition column traces to. ``dbt run-operation ivm_explain --args
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -369,10 +367,7 @@ def text_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="dbt-ivm", description="dbt-ivm tools")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("explain", help="the strategy each incremental_mv would refresh with, and why")
+def add_arguments(p) -> None:
     p.add_argument("--project-dir", default=".")
     p.add_argument("--profiles-dir", default=None)
     p.add_argument("--select", "-s", nargs="+", default=[])
@@ -380,14 +375,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when a selected model would not refresh incrementally")
     p.add_argument("--no-parse", action="store_true", help="use target/manifest.json as it is")
-    args = parser.parse_args(argv)
+
+
+def run(args) -> int:
     profiles = args.profiles_dir or (args.project_dir if (Path(args.project_dir) / "profiles.yml").exists() else None)
     report = explain_project(args.project_dir, profiles, args.select, parse_first=not args.no_parse)
     print(json.dumps(report, indent=2) if args.format == "json" else text_report(report))
     if args.strict and any(m["strategy"] != INCREMENTAL for m in report["models"]):
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,6 +2,12 @@
 in-process (dbtRunner) against generated dbt projects, and an oracle that
 compares a model with a full recompute of its SQL as a bag.
 
+Two targets: the embedded session (default), or with
+``DBT_IVM_TEST_TARGET=thrift`` the Spark Thrift Server of ``dbt-ivm cluster
+up`` — the profiles say ``method: thrift`` and every statement of the tests
+themselves goes through the server too (ThriftSession), so the suites that
+use only ``sql``/``spark().sql``/``newSession`` run unchanged against it.
+
 The oracle is deliberately independent of dbt_ivm's own audit SQL: it collects
 both sides into Python and compares sorted rows, floats within 1e-9 relative.
 """
@@ -11,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import textwrap
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -39,9 +46,67 @@ TOLERANCE = 1e-9
 _spark = None
 
 
+TARGET = os.environ.get("DBT_IVM_TEST_TARGET", "session")
+THRIFT_HOST = os.environ.get("DBT_IVM_THRIFT_HOST", "127.0.0.1")
+THRIFT_PORT = int(os.environ.get("DBT_IVM_THRIFT_PORT", "10000"))
+
+
+class _Collected:
+    def __init__(self, rows: list):
+        self._rows = rows
+
+    def collect(self) -> list:
+        return self._rows
+
+
+class ThriftSession:
+    """What the tests use of a SparkSession (``sql(q).collect()`` giving Rows,
+    ``newSession()``) over the Thrift server: one server session per thread
+    (dbt-style), closed with this object."""
+
+    def __init__(self):
+        self._conns: dict = {}
+        self._lock = threading.Lock()
+
+    def _cursor(self):
+        key = threading.get_ident()
+        with self._lock:
+            conn = self._conns.get(key)
+        if conn is None:
+            from pyhive import hive
+
+            conn = hive.connect(host=THRIFT_HOST, port=THRIFT_PORT, username="dbt_ivm_tests")
+            with self._lock:
+                self._conns[key] = conn
+        return conn.cursor()
+
+    def sql(self, statement: str) -> _Collected:
+        from pyspark.sql import Row
+
+        cur = self._cursor()
+        cur.execute(statement)
+        if not cur.description:
+            return _Collected([])
+        make = Row(*[d[0] for d in cur.description])
+        return _Collected([make(*r) for r in cur.fetchall()])
+
+    def newSession(self) -> "ThriftSession":  # noqa: N802 - SparkSession's name
+        return ThriftSession()
+
+    def __del__(self):
+        for conn in list(getattr(self, "_conns", {}).values()):
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - the server may be gone
+                pass
+
+
 def spark():
-    """The process-wide Spark session, configured as the adapter's embedded default."""
+    """The process-wide Spark session, configured as the adapter's embedded
+    default (a ThriftSession under DBT_IVM_TEST_TARGET=thrift)."""
     global _spark
+    if _spark is None and TARGET == "thrift":
+        _spark = ThriftSession()
     if _spark is None:
         from dbt.adapters.spark_ivm.connections import default_spark_conf, spark_session
 
@@ -120,6 +185,21 @@ class RunOutcome:
         return dict(r.adapter_response or {}) if r is not None else {}
 
 
+def _target(schema: str, threads: int, spark_conf: Optional[dict]) -> dict:
+    """A profile output of the test target: the embedded session, or the Thrift
+    server (session confs of the SQL runtime only: the server's JVM is up)."""
+    if TARGET == "thrift":
+        return {"type": "spark_ivm", "method": "thrift", "host": THRIFT_HOST, "port": THRIFT_PORT,
+                "schema": schema, "threads": threads, "user": "dbt_ivm_tests",
+                "server_side_parameters": {"spark.sql.shuffle.partitions": "2", **(spark_conf or {})}}
+    return {
+        "type": "spark_ivm", "method": "session", "host": "NA", "schema": schema, "threads": threads,
+        "warehouse_dir": str(WORKSPACE / ".dbt_ivm" / "warehouse"),
+        "metastore_dir": str(WORKSPACE / ".dbt_ivm" / "metastore_db"),
+        "server_side_parameters": {**_test_overrides(), **(spark_conf or {})},
+    }
+
+
 class DbtProject:
     """A dbt project on disk, run in-process against the shared Spark session."""
 
@@ -148,16 +228,7 @@ class DbtProject:
         profile = {
             name: {
                 "target": next(iter(outputs)),
-                "outputs": {
-                    t: {
-                        "type": "spark_ivm", "method": "session", "host": "NA", "schema": s,
-                        "threads": threads,
-                        "warehouse_dir": str(WORKSPACE / ".dbt_ivm" / "warehouse"),
-                        "metastore_dir": str(WORKSPACE / ".dbt_ivm" / "metastore_db"),
-                        "server_side_parameters": {**_test_overrides(), **(spark_conf or {})},
-                    }
-                    for t, s in outputs.items()
-                },
+                "outputs": {t: _target(s, threads, spark_conf) for t, s in outputs.items()},
             }
         }
         (self.root / "profiles.yml").write_text(yaml.safe_dump(profile))

@@ -96,6 +96,7 @@ def too_large(sizes: dict, threshold: float) -> Optional[Reason]:
 # single slow incremental refresh (a first MERGE into a new state, a cold JVM,
 # a one-off compaction) must not make every later refresh a rebuild.
 RETRY_AFTER = 3
+RETRY_WITHIN = 2.0
 
 
 # An incremental refresh's cost before one was measured: on a 2-core machine a
@@ -164,25 +165,30 @@ def cheapest(candidates: list, est: dict, costs: dict) -> tuple[str, Optional[Re
     an estimate; the first (the chain's choice) unless another is estimated
     cheaper. Returns (strategy, the cost reason for passing over the first, or
     None). After RETRY_AFTER refreshes in a row that passed over INCREMENTAL
-    for cost, INCREMENTAL is taken to measure it anew.
+    for cost, INCREMENTAL is taken to measure it anew — if it is estimated
+    within RETRY_WITHIN of the cheapest (a gap wider than any one-off slowness
+    is not worth paying again; the measurement ages out of the 20 commits
+    read, and INCREMENTAL is tried again then).
 
     >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (2.0, "prior"), FULL: (1.5, "the last rebuild")}, {})[1].code
     'REBUILD_CHEAPER'
     >>> cheapest([INCREMENTAL, PARTITION, FULL], {INCREMENTAL: (5.0, "m"), PARTITION: (2.0, "p"), FULL: (9.0, "f")}, {})[0]
     'PARTITION'
-    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (1.0, "f")}, {"rebuilt": RETRY_AFTER})
+    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (3.0, "f")}, {"rebuilt": RETRY_AFTER})
     ('INCREMENTAL', None)
+    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (1.0, "f")}, {"rebuilt": RETRY_AFTER})[0]
+    'FULL'
     >>> cheapest([PARTITION, FULL], {PARTITION: (3.0, "p")}, {})  # no rebuild measured: no opinion
     ('PARTITION', None)
     """
     first = candidates[0]
-    if first == INCREMENTAL and costs.get("rebuilt", 0) >= RETRY_AFTER:
-        return first, None
     known = [c for c in candidates if c in est]
     if first not in est or len(known) < 2:
         return first, None
     best = min(known, key=lambda c: (est[c][0], candidates.index(c)))
     if best == first:
+        return first, None
+    if first == INCREMENTAL and costs.get("rebuilt", 0) >= RETRY_AFTER and est[first][0] <= RETRY_WITHIN * est[best][0]:
         return first, None
     code = "REBUILD_CHEAPER" if best == FULL else "PARTITION_CHEAPER"
     what = {INCREMENTAL: "applying the change row by row", PARTITION: "replacing the changed partitions",

@@ -142,8 +142,14 @@ def run(r: "Refresher", plan, sources: list[Source], watermark: Watermark, chang
 
 
 def count_partitions(r: "Refresher") -> Optional[int]:
-    """How many partitions the state holds (its distinct partition values)."""
+    """How many partitions the state holds (its distinct partition values):
+    from the Delta snapshot's file list where the executor reads it
+    (``delta_partition_count``), else counted by a query."""
     if not r.partition_by:
         return None
+    fast = getattr(r.ex, "delta_partition_count", None)
+    count = fast(canonical(r.state)) if fast is not None else None
+    if count is not None:
+        return count
     cols = ", ".join(ident(c) for c in r.partition_by)
     return int(r.ex.query(f"SELECT count(*) FROM (SELECT DISTINCT {cols} FROM {canonical(r.state)}) AS {PREFIX}c")[0][0])

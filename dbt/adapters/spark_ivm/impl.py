@@ -39,6 +39,9 @@ class IvmAdapterResponse(AdapterResponse):
 class _Executor:
     """dbt_ivm's Executor over this adapter's thread connection."""
 
+    # Refresh history rows are written once per invocation (SparkIvmAdapter.cleanup_connections).
+    defers_history = True
+
     def __init__(self, adapter: "SparkIvmAdapter"):
         self.adapter = adapter
         self.timings: list = []
@@ -83,6 +86,19 @@ class _Executor:
         texts = commits(session, table, first, last)
         self.timings.append((round(time.time() - start, 2), f"(delta log) commits {table} {first}..{last}"))
         return texts
+
+    def delta_partition_count(self, table: str) -> Optional[int]:
+        """The partitions of a Delta table's current snapshot, counted from its
+        file list (delta_log.py); None where a statement counts them instead."""
+        session = self._session()
+        if session is None:
+            return None
+        from dbt.adapters.spark_ivm.delta_log import partition_count
+
+        start = time.time()
+        count = partition_count(session, table)
+        self.timings.append((round(time.time() - start, 2), f"(delta log) partitions {table}"))
+        return count
 
     def list_files(self, location: str) -> Optional[list]:
         """A non-Delta table's files listed through the session's file system."""
@@ -134,6 +150,20 @@ class SparkIvmAdapter(SparkAdapter):
             adapter_version=version,
             model_adapter_details={},
         )
+
+    def cleanup_connections(self) -> None:
+        """dbt's end of an invocation: first the refresh history rows of its
+        refreshes (one INSERT per history table, dbt_ivm.refresh.history)."""
+        from dbt_ivm.refresh import history
+
+        if history.pending():
+            try:
+                with self.connection_named("dbt_ivm_history"):
+                    for problem in history.flush(_Executor(self)):
+                        logger.warning(f"dbt_ivm: {problem}")
+            except Exception as e:  # noqa: BLE001 - history is best effort
+                logger.warning(f"dbt_ivm: refresh history not written: {str(e)[:300]}")
+        super().cleanup_connections()
 
     @available
     def ivm_validate_config(self, config: dict, model: str = "", given: Optional[list] = None) -> dict:

@@ -1,0 +1,262 @@
+"""A real Spark standalone cluster on loopback with a Spark Thrift Server
+submitted to it: what a dbt-spark user with ``method: thrift`` connects to.
+
+``dbt-ivm cluster up`` (or ``./run cluster up``) starts, each its own process,
+from the pyspark wheel's own ``bin/spark-class`` and ``bin/spark-submit`` (the
+wheel has no ``sbin/start-*`` scripts):
+
+- a master (``org.apache.spark.deploy.master.Master``) on 127.0.0.1:7077,
+- WORKERS workers (``org.apache.spark.deploy.worker.Worker``), one core each,
+- the Thrift server (``org.apache.spark.sql.hive.thriftserver.HiveThriftServer2``)
+  submitted to the master as a client-mode application, with Delta Lake (the
+  same Maven package the embedded profile brings in through Ivy), a Derby
+  metastore and a warehouse it owns under the cluster's home, and change data
+  feed on for new Delta tables as in the embedded profile;
+
+waits until the server answers a query on 127.0.0.1:10000 and prints the
+profile to use. The PIDs go to ``<home>/pids.json``; ``down`` stops exactly
+those processes (SIGTERM, then SIGKILL after a grace period) and nothing else.
+Each process's output is in ``<home>/logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+HOST = "127.0.0.1"
+MASTER_PORT = 7077
+THRIFT_PORT = 10000
+WORKERS = 2
+DEFAULT_HOME = ".dbt_ivm/cluster"
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be started or stopped; the message says why and what to do."""
+
+
+def spark_home() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).resolve().parent
+
+
+def server_conf(home: Path) -> dict[str, str]:
+    """The Thrift server's Spark settings: the embedded profile's Delta and
+    change-feed defaults, with a metastore and warehouse under ``home``."""
+    from dbt.adapters.spark_ivm.connections import DELTA_PACKAGE
+
+    metastore = home / "metastore_db"
+    return {
+        "spark.jars.packages": DELTA_PACKAGE,
+        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+        "spark.sql.warehouse.dir": str(home / "warehouse"),
+        "spark.hadoop.javax.jdo.option.ConnectionURL": f"jdbc:derby:;databaseName={metastore};create=true",
+        "spark.driver.extraJavaOptions": f"-Dderby.system.home={home}",
+        "spark.databricks.delta.properties.defaults.enableChangeDataFeed": "true",
+        "spark.databricks.delta.snapshotPartitions": "2",
+        "spark.sql.shuffle.partitions": "8",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.driver.memory": "3g",
+        "spark.executor.memory": "2g",
+        "spark.executor.cores": "1",
+        "spark.ui.enabled": "false",
+        "spark.hadoop.hive.server2.thrift.bind.host": HOST,
+        "spark.hadoop.hive.server2.thrift.port": str(THRIFT_PORT),
+        # dbt opens a session per thread and reuses it; idle sessions of
+        # crashed clients are dropped after an hour.
+        "spark.hadoop.hive.server2.idle.session.timeout": "3600000",
+    }
+
+
+def profile(schema: str = "dbt_ivm") -> dict:
+    """The dbt target that connects to the cluster's server."""
+    return {"type": "spark_ivm", "method": "thrift", "host": HOST, "port": THRIFT_PORT,
+            "schema": schema, "threads": 1, "connect_retries": 3, "connect_timeout": 10}
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((HOST, port)) == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of this process counts as gone
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def _start(name: str, argv: list[str], home: Path, env: dict) -> int:
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    out = open(logs / f"{name}.log", "ab")
+    # its own session: `up` may exit, the process stays; `down` signals it alone
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, cwd=home, start_new_session=True)
+    return proc.pid
+
+
+def _wait(what: str, ready, pid: int, home: Path, log: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if ready():
+            return
+        if not _alive(pid):
+            tail = (home / "logs" / f"{log}.log").read_text(errors="replace")[-3000:]
+            raise ClusterError(f"the {what} exited while starting; the end of {home}/logs/{log}.log:\n{tail}")
+        time.sleep(1)
+    raise ClusterError(f"the {what} did not come up within {timeout:.0f}s; see {home}/logs/{log}.log")
+
+
+def _answers(port: int) -> bool:
+    """The Thrift server runs a query (its port opens before it is ready)."""
+    if not _listening(port):
+        return False
+    try:
+        from pyhive import hive
+
+        conn = hive.connect(host=HOST, port=port, username="dbt_ivm")
+        try:
+            cur = conn.cursor()
+            cur.execute("SELECT 1")
+            return cur.fetchall() == [(1,)]
+        finally:
+            conn.close()
+    except Exception:  # noqa: BLE001 - not ready yet
+        return False
+
+
+def up(home: Path, workers: int = WORKERS, timeout: float = 600) -> dict:
+    home = home.resolve()
+    pids_file = home / "pids.json"
+    if pids_file.exists():
+        recorded = json.loads(pids_file.read_text())
+        if any(_alive(p) for p in recorded.values()):
+            raise ClusterError(f"a cluster started from {home} is running (PIDs in {pids_file}); "
+                               "run `dbt-ivm cluster down` first")
+        pids_file.unlink()
+    for port, what in ((MASTER_PORT, "the master"), (THRIFT_PORT, "the Thrift server")):
+        if _listening(port):
+            raise ClusterError(f"port {port} on {HOST} is taken, and {what} needs it: stop what listens there")
+    home.mkdir(parents=True, exist_ok=True)
+    sh = spark_home()
+    env = {**os.environ, "SPARK_HOME": str(sh), "SPARK_LOG_DIR": str(home / "logs"),
+           "SPARK_WORKER_DIR": str(home / "work"), "SPARK_LOCAL_IP": HOST,
+           "PYSPARK_PYTHON": sys.executable}
+    master_url = f"spark://{HOST}:{MASTER_PORT}"
+    pids: dict = {}
+    try:
+        pids["master"] = _start("master", [str(sh / "bin" / "spark-class"), "org.apache.spark.deploy.master.Master",
+                                           "--host", HOST, "--port", str(MASTER_PORT), "--webui-port", "8080"],
+                                home, env)
+        _save(pids_file, pids)
+        _wait("master", lambda: _listening(MASTER_PORT), pids["master"], home, "master", 120)
+        for i in range(workers):
+            name = f"worker-{i + 1}"
+            pids[name] = _start(name, [str(sh / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker",
+                                       "--host", HOST, "--cores", "1", "--memory", "2g",
+                                       "--webui-port", str(8081 + i), "--work-dir", str(home / "work" / name),
+                                       master_url], home, env)
+            _save(pids_file, pids)
+        argv = [str(sh / "bin" / "spark-submit"), "--master", master_url, "--deploy-mode", "client",
+                "--class", "org.apache.spark.sql.hive.thriftserver.HiveThriftServer2",
+                "--name", "dbt-ivm Thrift server"]
+        for k, v in server_conf(home).items():
+            argv += ["--conf", f"{k}={v}"]
+        pids["thrift"] = _start("thrift", argv + ["spark-internal"], home, env)
+        _save(pids_file, pids)
+        _wait("Thrift server", lambda: _answers(THRIFT_PORT), pids["thrift"], home, "thrift", timeout)
+    except BaseException:
+        down(home)
+        raise
+    return pids
+
+
+def _save(path: Path, pids: dict) -> None:
+    path.write_text(json.dumps(pids, indent=1))
+
+
+def down(home: Path, grace: float = 30) -> list[str]:
+    """Stop the processes ``up`` recorded (the server first), by PID; returns their names."""
+    home = home.resolve()
+    pids_file = home / "pids.json"
+    if not pids_file.exists():
+        return []
+    pids = json.loads(pids_file.read_text())
+    order = [n for n in ("thrift",) if n in pids] + sorted(n for n in pids if n.startswith("worker")) + \
+        [n for n in ("master",) if n in pids]
+    stopped = []
+    for name in order:
+        pid = pids[name]
+        if not _alive(pid):
+            continue
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.time() + grace
+        while _alive(pid) and time.time() < deadline:
+            time.sleep(0.5)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        stopped.append(name)
+    pids_file.unlink()
+    return stopped
+
+
+def add_arguments(p) -> None:
+    p.add_argument("action", choices=("up", "down", "profile"))
+    p.add_argument("--home", default=os.environ.get("DBT_IVM_CLUSTER_HOME", DEFAULT_HOME),
+                   help=f"where the cluster keeps its metastore, warehouse, logs and PIDs (default {DEFAULT_HOME})")
+    p.add_argument("--workers", type=int, default=WORKERS)
+    p.add_argument("--schema", default="dbt_ivm", help="the schema of the printed profile")
+
+
+def run(args) -> int:
+    import yaml
+
+    home = Path(args.home)
+    target = {"dbt_ivm": {"target": "cluster", "outputs": {"cluster": profile(args.schema)}}}
+    try:
+        if args.action == "up":
+            started = time.time()
+            pids = up(home, args.workers)
+            print(f"cluster up in {time.time() - started:.0f}s: {', '.join(f'{n} {p}' for n, p in pids.items())} "
+                  f"(PIDs in {home.resolve() / 'pids.json'}; logs in {home.resolve() / 'logs'})")
+            print(f"Thrift server on {HOST}:{THRIFT_PORT}; a profiles.yml for it:\n")
+        elif args.action == "down":
+            stopped = down(home)
+            print(f"stopped: {', '.join(stopped)}" if stopped else f"no running cluster recorded in {home}")
+            return 0
+        print(yaml.safe_dump(target, sort_keys=False))
+        return 0
+    except ClusterError as e:
+        print(f"dbt-ivm cluster {args.action}: {e}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="dbt-ivm cluster")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
