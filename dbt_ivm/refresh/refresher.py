@@ -216,6 +216,11 @@ class Refresher:
                                             not isinstance(part, Reason) else []) + [FULL]
         replaced = total = None
         costs = watermark.costs
+        if PARTITION in candidates and decision.strategy == INCREMENTAL:
+            too_many = self._too_many_partitions(part)
+            if too_many is not None:  # the threshold rule holds here too
+                candidates.remove(PARTITION)
+                part = too_many
         if PARTITION in candidates:
             replaced = len(part.values)
             if not costs.get("partition") and costs.get("full") is not None:
@@ -234,16 +239,24 @@ class Refresher:
     def _partition_cost(self, decision: Decision, part) -> Decision:
         """Under ivm_policy 'auto', a change touching more than
         ivm_partition_threshold of the state's partitions is rebuilt whole."""
+        why = self._too_many_partitions(part)
+        if why is None:
+            return decision
+        return Decision(FULL, decision.reason or why, decision.skipped + ((PARTITION, why),))
+
+    def _too_many_partitions(self, part) -> Optional[Reason]:
+        """PARTITIONS_TOO_MANY when, under ivm_policy 'auto', the change touches
+        more than ivm_partition_threshold of the state's partitions (never for
+        one partition: no count needed)."""
         if self.config["ivm_policy"] != "auto" or len(part.values) < 2:
-            return decision  # one partition: never dearer than rebuilding them all (no count needed)
+            return None
         total = self.partition_total()
         if total and len(part.values) > self.config["ivm_partition_threshold"] * total:
-            why = Reason("PARTITIONS_TOO_MANY",
-                         f"the change touches {len(part.values)} of the model's {total} partitions, more than "
-                         f"ivm_partition_threshold {self.config['ivm_partition_threshold']:g}",
-                         "a rebuild is cheaper; raise ivm_partition_threshold to replace partitions anyway")
-            return Decision(FULL, decision.reason or why, decision.skipped + ((PARTITION, why),))
-        return decision
+            return Reason("PARTITIONS_TOO_MANY",
+                          f"the change touches {len(part.values)} of the model's {total} partitions, more than "
+                          f"ivm_partition_threshold {self.config['ivm_partition_threshold']:g}",
+                          "a rebuild is cheaper; raise ivm_partition_threshold to replace partitions anyway")
+        return None
 
     def partition_total(self) -> Optional[int]:
         """How many partitions the state holds before this refresh writes (counted once)."""
