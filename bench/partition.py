@@ -68,7 +68,7 @@ def main() -> None:
             "type": "spark_ivm", "method": "session", "host": "NA", "schema": OUT, "threads": 1,
             "warehouse_dir": str(ws / "warehouse"), "metastore_dir": str(ws / "metastore_db"),
             "server_side_parameters": params}}}},
-        "models/sources.yml": {"version": 2, "sources": [{"name": "s", "schema": SRC, "tables": [{"name": "ev"}]}]},
+        "models/sources.yml": {"version": 2, "sources": [{"name": "s", "schema": SRC, "tables": [{"name": "ev"}, {"name": "warm"}]}]},
     }
     for rel, body in files.items():
         (project / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -80,6 +80,12 @@ def main() -> None:
                 f"{{{{ config(materialized='incremental_mv', partition_by='d', ivm_policy='{policy}') }}}}\n{text}")
         (project / "models" / f"{shape}__table.sql").write_text(
             f"{{{{ config(materialized='table', partition_by='d') }}}}\n{text}")
+    # The first model of a dbt invocation pays dbt's and the adapter's first-node
+    # costs; this one (alphabetically first, over a tiny table changed every
+    # round) takes them, so no strategy's model is always first.
+    (project / "models" / "a_warm.sql").write_text(
+        "{{ config(materialized='incremental_mv') }}\n"
+        "select k % 10 as b, count(*) as n from {{ source('s', 'warm') }} group by k % 10")
 
     from dbt.adapters.spark_ivm.connections import default_spark_conf, spark_session
     from dbt.cli.main import dbtRunner
@@ -90,6 +96,8 @@ def main() -> None:
     sql(f"create schema {SRC}")
     sql(f"create table {SRC}.ev (d date, k bigint, v bigint) using delta partitioned by (d) "
         "tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"create table {SRC}.warm (k bigint) using delta")
+    sql(f"insert into {SRC}.warm select id from range(100)")
     sql(f"insert into {SRC}.ev select date_add(date'2024-01-01', cast(id % {a.days} as int)), id, "
         f"abs(hash(id)) % 100000 from range({rows})")
 
@@ -105,7 +113,7 @@ def main() -> None:
 
     mvs = [f"{s}__{p}" for s in SHAPES for p in POLICIES]
     tables = [f"{s}__table" for s in SHAPES]
-    dbt(*mvs, *tables)
+    dbt("a_warm", *mvs, *tables)
     specs = [(float(f), int(d)) for f, d in (c.split(":") for c in a.changes.split(","))]
     cells: list = []
     next_key, rnd = rows, 0
@@ -132,7 +140,8 @@ def main() -> None:
             # snapshot loaded (shared by the JVM's sessions), else the first model
             # of the invocation pays for it.
             sql(f"select count(*) from {SRC}.ev")
-            got = dbt(*mvs)
+            sql(f"insert into {SRC}.warm values ({rnd})")
+            got = dbt("a_warm", *mvs)
             got.update(dbt(*tables))
             for s in SHAPES:
                 for pol in POLICIES:
@@ -159,9 +168,10 @@ def summary(report: dict) -> str:
     seconds and r_plain, what auto chose and whether it is within 10 % of the
     best forced strategy."""
     lines = [f"{report['rows']} rows over {report['days']} days; medians, seconds (r_plain)", "",
-             "| shape | change (days) | incremental | partition | full | auto (chose) | table | auto ≤ 1.1 × best |",
-             "|---|---|---|---|---|---|---|---|"]
-    hits = total = 0
+             "| shape | change (days) | incremental | partition | full | auto (chose) | table | auto ≤ 1.1 × best "
+             "| auto's choice ≤ 1.1 × best |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    hits = total = chosen_ok = 0
     for frac, ndays in report["changes"]:
         group = [c for c in report["rounds"] if c["change"] == frac]
         if not group:
@@ -171,13 +181,21 @@ def summary(report: dict) -> str:
             chose = sorted({str(c[s]["auto"][1]) for c in group})
             best = min(med[k] for k in ("incremental", "partition", "full"))
             ok = med["auto"] <= 1.1 * best
-            hits, total = hits + ok, total + 1
+            # the choice itself: the strategy auto took most often, timed forced
+            picks = [str(c[s]["auto"][1]).lower() for c in group]
+            pick = max(set(picks), key=picks.count)
+            choice_ok = pick in POLICIES and med[pick] <= 1.1 * best
+            hits, total, chosen_ok = hits + ok, total + 1, chosen_ok + choice_ok
             cell = lambda k: f"{med[k]:.2f} ({med[k] / med['table']:.2f})"  # noqa: E731
             lines.append(f"| {s} | {frac:g} ({group[0]['days']}) | {cell('incremental')} | {cell('partition')} | "
                          f"{cell('full')} | {cell('auto')} {'/'.join(chose)} | {med['table']:.2f} | "
-                         f"{'yes' if ok else 'no'} |")
-    lines += ["", f"auto within 10 % of the best forced strategy in {hits} of {total} cells"]
+                         f"{'yes' if ok else 'no'} | {'yes' if choice_ok else 'no'} |")
+    lines += ["", f"auto within 10 % of the best forced strategy in {hits} of {total} cells; "
+              f"the strategy auto took most often, forced, within 10 % of the best in {chosen_ok} of {total}"]
     return "\n".join(lines)
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--summary"]:  # the table of a saved result: --summary bench/results/<name>.json
+        print(summary(json.loads(Path(sys.argv[2]).read_text())))
+    else:
+        main()

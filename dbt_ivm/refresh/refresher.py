@@ -86,6 +86,7 @@ class Refresher:
         self.view_key = ""  # digest of the model's view statement once this refresh is done (Watermark.view)
         self.changes: Optional[int] = None  # changed source rows an incremental refresh applies
         self.replaced: Optional[int] = None  # partitions a partition refresh replaces
+        self._partitions_before: Optional[tuple] = None  # (count,) once partition_total counted them
         # The state's own change feed costs every write ~30 %; it is kept only for
         # readers of it: incremental_mv models built on this one.
         feed = self.config["ivm_change_feed"]
@@ -260,9 +261,9 @@ class Refresher:
 
     def partition_total(self) -> Optional[int]:
         """How many partitions the state holds before this refresh writes (counted once)."""
-        if not hasattr(self, "_partitions_before"):
-            self._partitions_before = partition.count_partitions(self)
-        return self._partitions_before
+        if self._partitions_before is None:
+            self._partitions_before = (partition.count_partitions(self),)
+        return self._partitions_before[0]
 
     def _allowed(self, decision: Decision, cause: Optional[BaseException] = None) -> None:
         """Under ivm_policy 'incremental' or 'partition' a fallback to FULL is an

@@ -9,9 +9,11 @@ Every default can be overridden by a profile field or ``server_side_parameters``
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -231,6 +233,50 @@ class _IsolatedConnection:
         return _IsolatedCursor(self.session, {})
 
 
+# Polling a statement over Thrift: first after FIRST_POLL_S, then each wait
+# POLL_GROWTH times the last, up to the profile's poll_interval.
+FIRST_POLL_S = 0.02
+POLL_GROWTH = 1.5
+
+
+@functools.lru_cache(maxsize=None)
+def _polling_wrapper():
+    """dbt-spark's PyHive wrapper with its polling made proportional: it sleeps
+    the profile's ``poll_interval`` (default 5 s, at least 1) before every
+    look at a statement that did not finish at once, so a 0.2 s statement
+    costs 5 s. This one looks after 20 ms, then backs off by 1.5× up to the
+    same interval; everything else — async execution (the server drops a
+    synchronous request after ~5 minutes), errors, retries on a lost
+    connection — is dbt-spark's."""
+    from dbt.adapters.spark.connections import PyhiveConnectionWrapper, ThriftState
+    from dbt_common.exceptions import DbtDatabaseError, DbtRuntimeError
+
+    class ProportionalPolling(PyhiveConnectionWrapper):
+        def _execute_with_polling(self, sql: str, bindings: Optional[list]) -> None:
+            if sql.strip().endswith(";"):
+                sql = sql.strip()[:-1]
+            if bindings is not None:
+                bindings = [self._fix_binding(b) for b in bindings]
+            assert self._cursor, "Cursor not available"
+            pending = (ThriftState.INITIALIZED_STATE, ThriftState.RUNNING_STATE, ThriftState.PENDING_STATE)
+            self._cursor.execute(sql, bindings, async_=True)
+            status = self._cursor.poll()
+            start, wait = time.time(), FIRST_POLL_S
+            while status.operationState in pending:
+                if self.query_timeout is not None and time.time() - start > self.query_timeout:
+                    raise DbtRuntimeError(f"Query exceeded timeout of {self.query_timeout} seconds")
+                time.sleep(wait)
+                wait = min(wait * POLL_GROWTH, float(self.poll_interval))
+                status = self._cursor.poll()
+            if status.errorMessage:
+                raise DbtDatabaseError(status.errorMessage)
+            if status.operationState != ThriftState.FINISHED_STATE:
+                name = ThriftState._VALUES_TO_NAMES.get(status.operationState, repr(status.operationState))
+                raise DbtDatabaseError(f"Query failed with status: {name}")
+
+    return ProportionalPolling
+
+
 class SparkIvmConnectionManager(SparkConnectionManager):
     TYPE = "spark_ivm"
 
@@ -238,7 +284,12 @@ class SparkIvmConnectionManager(SparkConnectionManager):
     def open(cls, connection: Connection) -> Connection:
         creds = connection.credentials
         if creds.method != SparkConnectionMethod.SESSION:
-            return super().open(connection)
+            connection = super().open(connection)
+            from dbt.adapters.spark.connections import PyhiveConnectionWrapper
+
+            if type(connection.handle) is PyhiveConnectionWrapper:
+                connection.handle.__class__ = _polling_wrapper()
+            return connection
         if connection.state == ConnectionState.OPEN:
             return connection
         from dbt.adapters.spark.session import SessionConnectionWrapper
