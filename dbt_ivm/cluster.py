@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,14 +49,69 @@ def spark_home() -> Path:
     return Path(pyspark.__file__).resolve().parent
 
 
-def server_conf(home: Path) -> dict[str, str]:
-    """The Thrift server's Spark settings: the embedded profile's Delta and
-    change-feed defaults, with a metastore and warehouse under ``home``."""
+# Run by spark-submit --packages: prints the jars Ivy resolved (the submitting
+# JVM's spark.jars, local file URLs).
+_RESOLVE = ("from pyspark import SparkContext\nSparkContext._ensure_initialized()\n"
+            "print('JARS=' + str(SparkContext._jvm.java.lang.System.getProperty('spark.jars') or ''))\n")
+
+
+def delta_jars(home: Path, env: dict) -> list[str]:
+    """The local paths of Delta's jars and their dependencies, resolved by
+    Spark's own Ivy (``spark-submit --packages``, the Maven package the
+    embedded profile uses; cached in ``~/.ivy2.5.2``) and remembered in
+    ``<home>/delta-jars.txt``. The server gets them on its JVM's class path:
+    with ``--packages`` alone a Thrift server's sessions fail to find the
+    ``delta`` data source (delta-io/delta#1341: the jars sit in a child class
+    loader that the server's operations do not always use)."""
     from dbt.adapters.spark_ivm.connections import DELTA_PACKAGE
 
+    cached = home / "delta-jars.txt"
+    if cached.exists():
+        jars = cached.read_text().split()
+        if jars and all(Path(j).exists() for j in jars):
+            return jars
+    script = home / "resolve_jars.py"
+    script.write_text(_RESOLVE)
+    done = subprocess.run([str(spark_home() / "bin" / "spark-submit"), "--packages", DELTA_PACKAGE, str(script)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("JARS=")), "")
+    jars = [j.removeprefix("file://").removeprefix("file:") for j in line[5:].split(",") if j]
+    if done.returncode != 0 or not jars:
+        raise ClusterError(f"could not resolve {DELTA_PACKAGE} from Maven Central through Spark's Ivy:\n"
+                           f"{(done.stderr or done.stdout)[-2000:]}")
+    jars = _not_in_spark(jars)
+    cached.write_text("\n".join(jars))
+    return jars
+
+
+def _artifact(jar: str, ivy: bool = False) -> str:
+    """A jar's artifact name: Ivy retrieves ``<organization>_<artifact>-<revision>.jar``
+    (an organization has no ``_``), Spark ships ``<artifact>-<revision>.jar``."""
+    name = Path(jar).name
+    if ivy and "_" in name:
+        name = name.split("_", 1)[1]
+    m = re.match(r"^(.+?)-(\d.*)\.jar$", name)
+    return m.group(1) if m else name
+
+
+def _not_in_spark(jars: list[str]) -> list[str]:
+    """The resolved jars whose artifact Spark does not ship: on the class path
+    they come before Spark's own, so an older copy of one of Spark's libraries
+    (Delta's dependencies pull jackson-databind 2.13 against Spark's 2.21)
+    would replace it. With ``--packages`` they sit in a child class loader
+    behind Spark's; here Spark's copies must win by leaving theirs out."""
+    ships = {_artifact(j.name) for j in (spark_home() / "jars").glob("*.jar")}
+    return [j for j in jars if _artifact(j, ivy=True) not in ships]
+
+
+def server_conf(home: Path, jars: list[str]) -> dict[str, str]:
+    """The Thrift server's Spark settings: the embedded profile's Delta and
+    change-feed defaults, with a metastore and warehouse under ``home``."""
     metastore = home / "metastore_db"
+    classpath = ":".join(jars)
     return {
-        "spark.jars.packages": DELTA_PACKAGE,
+        "spark.driver.extraClassPath": classpath,
+        "spark.executor.extraClassPath": classpath,  # the workers run on this machine
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
         "spark.sql.warehouse.dir": str(home / "warehouse"),
@@ -179,7 +235,7 @@ def up(home: Path, workers: int = WORKERS, timeout: float = 600) -> dict:
         argv = [str(sh / "bin" / "spark-submit"), "--master", master_url, "--deploy-mode", "client",
                 "--class", "org.apache.spark.sql.hive.thriftserver.HiveThriftServer2",
                 "--name", "dbt-ivm Thrift server"]
-        for k, v in server_conf(home).items():
+        for k, v in server_conf(home, delta_jars(home, env)).items():
             argv += ["--conf", f"{k}={v}"]
         pids["thrift"] = _start("thrift", argv + ["spark-internal"], home, env)
         _save(pids_file, pids)
@@ -215,7 +271,7 @@ def down(home: Path, grace: float = 30) -> list[str]:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
         stopped.append(name)
-    pids_file.unlink()
+    pids_file.unlink(missing_ok=True)
     return stopped
 
 

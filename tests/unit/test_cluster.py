@@ -69,7 +69,8 @@ def test_profile_and_server_conf(tmp_path):
     p = cluster.profile("analytics")
     assert (p["type"], p["method"], p["host"], p["port"], p["schema"]) == (
         "spark_ivm", "thrift", "127.0.0.1", 10000, "analytics")
-    conf = cluster.server_conf(tmp_path)
+    conf = cluster.server_conf(tmp_path, ["/j/delta-spark.jar", "/j/delta-storage.jar"])
+    assert conf["spark.driver.extraClassPath"] == "/j/delta-spark.jar:/j/delta-storage.jar"
     assert conf["spark.databricks.delta.properties.defaults.enableChangeDataFeed"] == "true"
     assert conf["spark.sql.extensions"] == "io.delta.sql.DeltaSparkSessionExtension"
     assert str(tmp_path / "metastore_db") in conf["spark.hadoop.javax.jdo.option.ConnectionURL"]
