@@ -75,7 +75,8 @@ class ThriftSession:
         if conn is None:
             from pyhive import hive
 
-            conn = hive.connect(host=THRIFT_HOST, port=THRIFT_PORT, username="dbt_ivm_tests")
+            conn = hive.connect(host=THRIFT_HOST, port=THRIFT_PORT, username="dbt_ivm_tests",
+                                configuration=_session_overrides())
             with self._lock:
                 self._conns[key] = conn
         return conn.cursor()
@@ -137,6 +138,11 @@ def _test_overrides() -> dict:
     }
 
 
+def _session_overrides() -> dict:
+    """The overrides a server session can take (not the master: the server's JVM is up)."""
+    return {k: v for k, v in _test_overrides().items() if k != "spark.master"}
+
+
 def sql(statement: str) -> list:
     return spark().sql(statement).collect()
 
@@ -191,7 +197,7 @@ def _target(schema: str, threads: int, spark_conf: Optional[dict]) -> dict:
     if TARGET == "thrift":
         return {"type": "spark_ivm", "method": "thrift", "host": THRIFT_HOST, "port": THRIFT_PORT,
                 "schema": schema, "threads": threads, "user": "dbt_ivm_tests",
-                "server_side_parameters": {"spark.sql.shuffle.partitions": "2", **(spark_conf or {})}}
+                "server_side_parameters": {**_session_overrides(), **(spark_conf or {})}}
     return {
         "type": "spark_ivm", "method": "session", "host": "NA", "schema": schema, "threads": threads,
         "warehouse_dir": str(WORKSPACE / ".dbt_ivm" / "warehouse"),

@@ -62,6 +62,27 @@ _MISSING_HISTORY = re.compile(
 )
 
 
+# Delta's optimistic-concurrency conflicts: another commit to the state table
+# (a concurrent refresh's MERGE, layer or compaction) won; the failed write
+# committed nothing (delta.io/latest/concurrency-control.html).
+_CONCURRENT = re.compile(
+    r"DELTA_CONCURRENT_(TRANSACTION|APPEND|DELETE_READ|DELETE_DELETE|WRITE)|DELTA_METADATA_CHANGED"
+    r"|DELTA_PROTOCOL_CHANGED|Concurrent(Transaction|Append|DeleteRead|DeleteDelete|Write)Exception"
+)
+
+
+def _concurrent(state: str, e: BaseException) -> Optional[Reason]:
+    """The reason of a refresh that lost to a concurrent commit, or None when
+    ``e`` is something else."""
+    found = _CONCURRENT.search(str(e))
+    if found is None:
+        return None
+    return Reason("CONCURRENT_REFRESH",
+                  f"another refresh of this model committed to {state} while this one ran "
+                  f"(Delta {found.group(0)}); this refresh wrote no change",
+                  "nothing to do: the next dbt run continues from the state that committed")
+
+
 def _cdf_unavailable(e: BaseException) -> Reason:
     return Reason(
         "CDF_UNAVAILABLE", f"the change data feed does not cover the window: {str(e)[:200]}",
@@ -163,6 +184,21 @@ class Refresher:
         result = Result(decision.strategy, decision.reason, skipped=list(decision.skipped))
         result.estimates = {k: round(v[0], 2) for k, v in estimated.items()}
         result.sizes = {n: c for n, (c, _) in sizes.items()}
+        try:
+            self._apply(plan, sources, sig, decision, part, state_exists, watermark, result)
+        except Exception as e:
+            lost = _concurrent(self.state, e) if state_exists else None
+            if lost is None:
+                raise
+            result.strategy, result.reason, result.rows = NOOP, lost, {}
+        self.phases[result.strategy.lower()] = round(time.time() - start - sum(self.phases.values()), 3)
+        result.seconds = time.time() - start
+        result.phases, result.run_id = dict(self.phases), self.run_id
+        history.record(self, result, sources, watermark.versions() if watermark else {})
+        return result
+
+    def _apply(self, plan, sources, sig, decision: Decision, part, state_exists: bool, watermark, result: Result):
+        """Run the decided strategy (falling back where the change feed turns out gone)."""
         if decision.strategy == INCREMENTAL:
             small = sum(result.sizes.values()) <= BROADCAST_ROWS
             try:
@@ -181,11 +217,6 @@ class Refresher:
             full.run(self, plan, sources, sig, decision, state_exists, watermark)
             if self.partition_by:
                 result.rows["partitions"] = partition.count_partitions(self)
-        self.phases[result.strategy.lower()] = round(time.time() - start - sum(self.phases.values()), 3)
-        result.seconds = time.time() - start
-        result.phases, result.run_id = dict(self.phases), self.run_id
-        history.record(self, result, sources, watermark.versions() if watermark else {})
-        return result
 
     def _partition_option(self, sources, watermark: Optional[Watermark], sig: str, state_exists: bool):
         """partition.prepare for a refresh that may take the chain (a state with

@@ -205,7 +205,15 @@ def foreign_write(newer: list[tuple]) -> str:
 def _failpoint(name: str, relation: str) -> None:
     """Crash-test hook: ``DBT_IVM_FAILPOINT=<name>`` kills the process here
     (SIGKILL, no cleanup), as a power cut would; ``<name>:<relation>`` only in
-    that model's refresh. Used by the exactly-once tests."""
+    that model's refresh; ``<name>+<seconds>`` that long after passing here
+    (the statement that follows in flight: over a Thrift connection, the
+    server is left running it for a client that is gone). Used by the
+    exactly-once tests."""
     point, _, model = os.environ.get("DBT_IVM_FAILPOINT", "").partition(":")
+    point, _, delay = point.partition("+")
     if point == name and (not model or canonical(model) == relation):
-        os.kill(os.getpid(), signal.SIGKILL)
+        if not delay:
+            os.kill(os.getpid(), signal.SIGKILL)
+        import threading
+
+        threading.Timer(float(delay), os.kill, (os.getpid(), signal.SIGKILL)).start()
