@@ -23,15 +23,7 @@ from dbt.tests.adapter.basic.test_singular_tests_ephemeral import BaseSingularTe
 from dbt.tests.adapter.basic.test_snapshot_check_cols import BaseSnapshotCheckCols
 from dbt.tests.adapter.basic.test_snapshot_timestamp import BaseSnapshotTimestamp
 
-from tests import harness
-
 pytestmark = pytest.mark.spark
-
-
-@pytest.fixture(scope="class")
-def dbt_profile_target():
-    harness.spark()  # the embedded target: the process's one session, started once
-    return harness._target("placeholder", 1, None)
 
 
 class TestSimpleMaterializations(BaseSimpleMaterializations):

@@ -34,6 +34,7 @@ from typing import Optional
 import pytest
 import yaml
 
+from tests import harness
 from tests.harness import DbtProject, check_model, parallel, spark, sql
 
 pytestmark = pytest.mark.spark
@@ -225,7 +226,7 @@ class Suite:
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def suite(tmp_path_factory, request):
     s = Suite(tmp_path_factory.mktemp("scenarios"), load_cases())
     with pytest.MonkeyPatch.context() as mp:
         if os.environ.get("DBT_IVM_SCENARIO_LAYOUT") == "append":
@@ -237,10 +238,12 @@ def suite(tmp_path_factory):
         s.run()
         if os.environ.get("DBT_IVM_SCENARIO_FULL", "0") == "1":
             s.run_audit()
-    print("\n" + s.table())
     layouts = [r[1] for v in sql(f"show views in {OUT}")
                for r in sql(f"show tblproperties {OUT}.{v.viewName}") if r[0] == "dbt_ivm.layout"]
-    print(f"state layouts at the end: {layouts.count('append')} append, {layouts.count('merge')} merge")
+    # printed after the run (tests/integration/conftest.py), for each target
+    request.config.__dict__.setdefault("dbt_ivm_summary", []).append(
+        f"scenario table (target: {harness.TARGET})\n{s.table()}\n"
+        f"state layouts at the end: {layouts.count('append')} append, {layouts.count('merge')} merge")
     return s
 
 

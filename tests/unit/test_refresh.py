@@ -510,3 +510,25 @@ def test_a_source_recreated_at_the_same_version_is_rewound():
         d = run(watermark=mark, sources=[src])
         assert (d.strategy, d.reason.code) == (FULL, "SOURCE_VERSION_REWOUND")
     assert run(sources=[again]).strategy == NOOP  # a watermark that recorded no stamp: versions alone
+
+
+@pytest.mark.parametrize("text, conflict", [
+    # the server's message (a Thrift client sees the class names in the text)
+    ("Error running query: [DELTA_CONCURRENT_TRANSACTION] io.delta.exceptions.ConcurrentTransactionException: "
+     "This error occurs when multiple streaming queries ...", "DELTA_CONCURRENT_TRANSACTION"),
+    ("[DELTA_CONCURRENT_APPEND.WITHOUT_HINT] ConcurrentAppendException: Files were added", "DELTA_CONCURRENT_APPEND"),
+    ("io.delta.exceptions.ConcurrentDeleteReadException: This transaction attempted to read",
+     "ConcurrentDeleteReadException"),
+    ("[DELTA_METADATA_CHANGED] MetadataChangedException", "DELTA_METADATA_CHANGED"),
+    # anything else is not a lost race
+    ("[TABLE_OR_VIEW_NOT_FOUND] The table or view `x` cannot be found", None),
+    ("[DELTA_MISSING_CHANGE_DATA] Error getting change data", None),
+])
+def test_a_refresh_losing_a_race_is_told_from_other_errors(text, conflict):
+    from dbt_ivm.refresh.refresher import _concurrent
+
+    reason = _concurrent("`o`.`m__ivm_state`", RuntimeError(text))
+    if conflict is None:
+        assert reason is None
+    else:
+        assert reason.code == "CONCURRENT_REFRESH" and conflict in reason.detail and "`o`.`m__ivm_state`" in reason.detail
