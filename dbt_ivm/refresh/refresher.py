@@ -71,16 +71,10 @@ _CONCURRENT = re.compile(
 )
 
 
-def _concurrent(state: str, e: BaseException) -> Optional[Reason]:
-    """The reason of a refresh that lost to a concurrent commit, or None when
-    ``e`` is something else."""
+def _conflict(e: BaseException) -> Optional[str]:
+    """Delta's name for the concurrent-commit conflict ``e`` is, or None."""
     found = _CONCURRENT.search(str(e))
-    if found is None:
-        return None
-    return Reason("CONCURRENT_REFRESH",
-                  f"another refresh of this model committed to {state} while this one ran "
-                  f"(Delta {found.group(0)}); this refresh wrote no change",
-                  "nothing to do: the next dbt run continues from the state that committed")
+    return found.group(0) if found else None
 
 
 def _cdf_unavailable(e: BaseException) -> Reason:
@@ -187,15 +181,36 @@ class Refresher:
         try:
             self._apply(plan, sources, sig, decision, part, state_exists, watermark, result)
         except Exception as e:
-            lost = _concurrent(self.state, e) if state_exists else None
-            if lost is None:
+            conflict = _conflict(e) if state_exists else None
+            if conflict is None:
                 raise
-            result.strategy, result.reason, result.rows = NOOP, lost, {}
+            result.strategy, result.reason, result.rows = NOOP, self._lost(conflict, decision.strategy, watermark), {}
         self.phases[result.strategy.lower()] = round(time.time() - start - sum(self.phases.values()), 3)
         result.seconds = time.time() - start
         result.phases, result.run_id = dict(self.phases), self.run_id
         history.record(self, result, sources, watermark.versions() if watermark else {})
         return result
+
+    def _lost(self, conflict: str, strategy: str, before: Optional[Watermark]) -> Reason:
+        """After Delta failed a write of the state on a concurrent commit
+        (``conflict``, its error class): the NOOP reason when that was another
+        refresh of the model applying the change (its watermark now follows
+        the one this refresh started from, and no commit of this refresh
+        landed). Otherwise — a rebuild that lost, a write that lost to an
+        OPTIMIZE or an ALTER, a conflict after this refresh's own commit — an
+        error saying what happened: rerunning applies what is left."""
+        if self.my_commit() is not None:
+            raise IvmError(f"this refresh committed to {self.state}, then a statement after its commit failed on "
+                           f"a concurrent commit (Delta {conflict}); run it again")
+        _, now = read_watermark(self.ex, self.state)
+        if strategy in (INCREMENTAL, PARTITION) and before is not None and now is not None \
+                and (now.commit_version or 0) > (before.commit_version or 0):
+            return Reason("CONCURRENT_REFRESH",
+                          f"another refresh of this model committed to {self.state} while this one ran "
+                          f"(Delta {conflict}); this refresh wrote no change",
+                          "nothing to do: the next dbt run continues from the state that committed")
+        raise IvmError(f"the {strategy} write of {self.state} failed on a concurrent commit that was not another "
+                       f"refresh of this model (Delta {conflict}); nothing of this refresh was written: run it again")
 
     def _apply(self, plan, sources, sig, decision: Decision, part, state_exists: bool, watermark, result: Result):
         """Run the decided strategy (falling back where the change feed turns out gone)."""

@@ -525,10 +525,6 @@ def test_a_source_recreated_at_the_same_version_is_rewound():
     ("[DELTA_MISSING_CHANGE_DATA] Error getting change data", None),
 ])
 def test_a_refresh_losing_a_race_is_told_from_other_errors(text, conflict):
-    from dbt_ivm.refresh.refresher import _concurrent
+    from dbt_ivm.refresh.refresher import _conflict
 
-    reason = _concurrent("`o`.`m__ivm_state`", RuntimeError(text))
-    if conflict is None:
-        assert reason is None
-    else:
-        assert reason.code == "CONCURRENT_REFRESH" and conflict in reason.detail and "`o`.`m__ivm_state`" in reason.detail
+    assert _conflict(RuntimeError(text)) == conflict

@@ -50,13 +50,21 @@ def _delta_log(session, table: str):
     return jvm, jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, ident)
 
 
+def _snapshot(session, table: str):
+    """(jvm, DeltaLog, its current Snapshot) of a Delta table, or None."""
+    found = _delta_log(session, table)
+    if found is None:
+        return None
+    jvm, log = found
+    return jvm, log, log.update(False, jvm.scala.Option.empty(), jvm.scala.Option.empty())
+
+
 def history(session, table: str, limit: Optional[int]) -> Optional[list[tuple]]:
     try:
-        found = _delta_log(session, table)
+        found = _snapshot(session, table)
         if found is None:
             return None
-        jvm, log = found
-        snapshot = log.update(False, jvm.scala.Option.empty(), jvm.scala.Option.empty())
+        jvm, log, snapshot = found
         newest = int(snapshot.version())
         if newest < 0:
             return None
@@ -108,14 +116,12 @@ def partition_count(session, table: str) -> Optional[int]:
     ``SELECT count(*) FROM (SELECT DISTINCT p FROM t)`` costs 0.45–1.5 s (it
     plans a scan and a shuffle). None where the statement must run instead."""
     try:
-        found = _delta_log(session, table)
+        found = _snapshot(session, table)
         if found is None:
             return None
-        jvm, log = found
         from pyspark.sql import DataFrame
 
-        snapshot = log.update(False, jvm.scala.Option.empty(), jvm.scala.Option.empty())
-        files = DataFrame(snapshot.allFiles().toDF(), session)
+        files = DataFrame(found[2].allFiles().toDF(), session)
         return len({tuple(sorted((r[0] or {}).items())) for r in files.select("partitionValues").collect()})
     except Exception:  # noqa: BLE001 - the statement counts instead
         return None
