@@ -34,7 +34,7 @@ fails from a fresh build of the pre-round table contents.
 
 Environment:
 
-* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 25: 12 models per round, so 300 model
+* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 18: 12 models per round, so 216 model
   refreshes, each compared with a full recompute; each round is one `dbt run` plus the checks, tens of seconds
   on a 2-core machine). ``DBT_IVM_RANDOM_ROUNDS=2000`` for a long run.
 * ``DBT_IVM_RANDOM_SEED`` (default 20261121).
@@ -59,7 +59,7 @@ from tests.harness import DbtProject, bag_diff, check_model, sql
 
 pytestmark = pytest.mark.spark
 
-ROUNDS = int(os.environ.get("DBT_IVM_RANDOM_ROUNDS", "25"))
+ROUNDS = int(os.environ.get("DBT_IVM_RANDOM_ROUNDS", "18"))
 SEED = int(os.environ.get("DBT_IVM_RANDOM_SEED", "20261121"))
 SHRINK_SECONDS = float(os.environ.get("DBT_IVM_RANDOM_SHRINK_SECONDS", "600"))
 
