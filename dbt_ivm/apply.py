@@ -82,6 +82,63 @@ def _bag_merge(plan: Plan, state: str, window: Window) -> Optional[str]:
     )
 
 
+def _unit_rows(rel: str, cols: list[str], weight: str, unit: bool) -> str:
+    """The rows of a weighted relation as unit state rows (``cols``, RID,
+    COUNT = 1): a row of weight n becomes n rows, none consolidated — no
+    shuffle, where _consolidated groups by every column. Rows of negative
+    ``weight`` (a layer's removals) stay one row carrying it. ``unit``: every
+    row weighs 1 (a snapshot of plain tables), nothing to repeat."""
+    listed = ", ".join(f"{PREFIX}u.{ident(c)}" for c in cols)
+    rid = _rid(cols, f"{PREFIX}u")
+    if unit:
+        return f"SELECT {listed}, {rid} AS {RID}, CAST(1 AS BIGINT) AS {COUNT} FROM ({rel}) AS {PREFIX}u"
+    w = f"{PREFIX}u.{weight}"
+    return (
+        f"SELECT {listed}, {rid} AS {RID}, CAST(CASE WHEN {w} > 0 THEN 1 ELSE {w} END AS BIGINT) AS {COUNT} "
+        f"FROM ({rel}) AS {PREFIX}u LATERAL VIEW explode(sequence(CAST(1 AS BIGINT), "
+        f"CAST(CASE WHEN {w} > 0 THEN {w} ELSE 1 END AS BIGINT))) {PREFIX}e AS {PREFIX}i"
+    )
+
+
+def _bag_units(plan: Plan, window: Window) -> str:
+    """A bag's whole state under the append layout: its rows as unit rows."""
+    rel = _sql(snapshot(plan.input, window, NEW))
+    return _unit_rows(rel, plan.columns, W, _unit_weights(plan))
+
+
+def _bag_layer(plan: Plan, state: str, window: Window) -> Optional[str]:
+    """The append layout's INSERT for a bag: the window's net change per row
+    (_consolidated), added rows as unit rows, removed ones as one row of
+    negative count — no read of the state. None: nothing under it changed."""
+    d = delta(plan.input, window)
+    if d is None:
+        return None
+    change = _consolidated(_sql(d), plan.columns)
+    return f"INSERT INTO {canonical(state)} {_unit_rows(change, plan.columns, COUNT, False)}"
+
+
+def _folded_bag(cols: list[str], state: str) -> str:
+    """A layered bag's rows, as unit state rows. Every row of a bag's state is
+    a unit row (COUNT 1) except a layer's removals (negative) and, in a state
+    written under the merge layout, consolidated duplicates (> 1). Rows whose
+    RID never carries another count are the bag's rows as they stand (a scan
+    with a broadcast anti join); the few others are summed per row, dropped
+    where no copy is left, and repeated. Where no such RID exists (after a
+    compaction, or inserts only) the broadcast side is empty and Spark's
+    adaptive execution drops the second scan."""
+    listed = ", ".join(ident(c) for c in cols)
+    odd = (f"(SELECT DISTINCT {RID} FROM {canonical(state)} "
+           f"WHERE {COUNT} < 1 OR {COUNT} > 1) AS {PREFIX}n")
+    kept = (f"SELECT /*+ BROADCAST({PREFIX}n) */ {', '.join(f'{PREFIX}b.{ident(c)}' for c in cols)}, "
+            f"{PREFIX}b.{RID}, {PREFIX}b.{COUNT} FROM {canonical(state)} AS {PREFIX}b "
+            f"LEFT ANTI JOIN {odd} ON {PREFIX}b.{RID} = {PREFIX}n.{RID}")
+    summed = (f"SELECT /*+ BROADCAST({PREFIX}n) */ {', '.join(f'{PREFIX}b.{ident(c)}' for c in cols)}, "
+              f"SUM({PREFIX}b.{COUNT}) AS {COUNT} FROM {canonical(state)} AS {PREFIX}b "
+              f"LEFT SEMI JOIN {odd} ON {PREFIX}b.{RID} = {PREFIX}n.{RID} "
+              f"GROUP BY {', '.join(f'{PREFIX}b.{ident(c)}' for c in cols)} HAVING SUM({PREFIX}b.{COUNT}) > 0")
+    return f"{kept} UNION ALL {_unit_rows(summed, cols, COUNT, False)}"
+
+
 # --------------------------------------------------------------------------- aggregate
 
 
@@ -376,9 +433,10 @@ def _with_recompute(plan: Plan, source: str, groups: str, window: Window) -> str
 def append_eligible(plan: Optional[Plan]) -> bool:
     """The plan's state can be kept as layers (ivm_state_layout='append'): an
     aggregate whose every state column is a sum over rows (COUNT, SUM, AVG), so
-    a group's state is the sum of its rows in every layer. MIN/MAX is not
-    invertible that way; bags and DISTINCT keep the MERGE."""
-    return plan is not None and plan.kind == AGGREGATE and not plan.has_minmax
+    a group's state is the sum of its rows in every layer; or a bag (plain
+    rows), kept as unit rows with signed layers (_folded_bag). MIN/MAX is not
+    invertible that way; DISTINCT keeps the MERGE."""
+    return plan is not None and (plan.kind == BAG or (plan.kind == AGGREGATE and not plan.has_minmax))
 
 
 def _partials(plan: Plan) -> list[str]:
@@ -397,6 +455,8 @@ def append_statement(plan: Plan, state: str, window: Window, types: dict) -> Opt
     new layer of state rows (signed partial sums; the visible columns NULL, since
     the view folds the layers: folded_state). Groups whose change sums to zero
     everywhere are left out. None: no source of the plan changed."""
+    if plan.kind == BAG:
+        return _bag_layer(plan, state, window)
     change = _aggregate_change(plan, window)
     if change is None:
         return None
@@ -416,6 +476,8 @@ def folded_state(plan: Plan, state: str, types: dict) -> str:
     appended layer) summed, groups with no rows left dropped, and the visible
     columns finalised by the same constructor as a full build (_new_state). The
     view of an append-layout model reads this; compaction writes it back."""
+    if plan.kind == BAG:
+        return _folded_bag(plan.columns, state)
     keys = plan.key_columns
     sums = [f"SUM({c}) AS {c}" for c in [COUNT] + _partials(plan)]
     group = f" GROUP BY {', '.join(keys)} HAVING SUM({COUNT}) > 0" if keys else ""
@@ -458,10 +520,13 @@ def avg_sum_types(plan: Plan, arg_types: dict) -> dict:
 _DECIMAL = re.compile(r"(?i)decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)")
 
 
-def state_query(plan: Plan, window: Window, types: dict) -> str:
-    """SELECT producing the whole state table at the window's new versions."""
+def state_query(plan: Plan, window: Window, types: dict, layered: bool = False) -> str:
+    """SELECT producing the whole state table at the window's new versions
+    (``layered``: for the append layout, where a bag's rows are unit rows)."""
     if plan.kind == AGGREGATE:
         return _aggregate_state(plan, window, types)
+    if layered and plan.kind == BAG:
+        return _bag_units(plan, window)
     return _bag_state(plan, window)
 
 
@@ -486,12 +551,10 @@ def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompu
 
 
 def bag_state_of_query(query: str, columns: list[str]) -> str:
-    """State of a query maintained only by rebuilds: its rows as a bag."""
-    listed = ", ".join(ident(c) for c in columns)
-    return (
-        f"SELECT {listed}, {_rid(columns)} AS {RID}, COUNT(*) AS {COUNT} "
-        f"FROM ({query}) AS {PREFIX}q GROUP BY {listed}"
-    )
+    """State of a query maintained only by rebuilds (FULL or PARTITION, never
+    a MERGE): its rows as unit rows, not consolidated — a GROUP BY over every
+    column would cost a shuffle of all of them for nothing."""
+    return _unit_rows(query, columns, COUNT, True)
 
 
 def view_query(kind: str, columns: list[str], state: str, folded: Optional[str] = None) -> str:

@@ -9,6 +9,7 @@ import json
 from typing import TYPE_CHECKING, Optional
 
 from dbt_ivm import apply
+from dbt_ivm.config import APPEND
 from dbt_ivm.delta import Window
 from dbt_ivm.errors import IvmConfigError
 from dbt_ivm.names import canonical, ident, string
@@ -66,7 +67,7 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
         types = {row[0].lower(): row[1] for row in r.ex.query(f"DESCRIBE QUERY {pinned}")}
         args = apply.avg_args_query(plan, window)
         sums = apply.avg_sum_types(plan, {row[0]: row[1] for row in r.ex.query(f"DESCRIBE QUERY {args}")}) if args else {}
-    body, kind, columns = state_body(plan, sources, types, sums, pinned)
+    body, kind, columns = state_body(plan, sources, types, sums, pinned, r.layout == APPEND)
     if kind != AGGREGATE:
         _check_row_types(types)
     view = r.view_statement(plan, kind, columns, {**types, **sums})
@@ -108,13 +109,14 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
         r.ex.query(view)
 
 
-def state_body(plan, sources, types: dict, sums: dict, pinned: str) -> tuple[str, str, list]:
+def state_body(plan, sources, types: dict, sums: dict, pinned: str, layered: bool = False) -> tuple[str, str, list]:
     """(the SELECT of the whole state at the sources' current versions, the
-    state's kind, the model's columns): the plan's state, or for a query not
-    maintained row by row its rows as a bag."""
+    state's kind, the model's columns): the plan's state (``layered``: as the
+    append layout keeps it), or for a query not maintained row by row its rows
+    as a bag."""
     if plan is not None:
         window = Window(new={s.physical: s.version for s in sources})
-        return apply.state_query(plan, window, {**types, **sums}), plan.kind, plan.columns
+        return apply.state_query(plan, window, {**types, **sums}, layered), plan.kind, plan.columns
     return apply.bag_state_of_query(pinned, list(types)), BAG, list(types)
 
 

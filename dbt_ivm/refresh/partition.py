@@ -25,6 +25,7 @@ from sqlglot import exp
 
 from dbt_ivm import apply
 from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
+from dbt_ivm.config import APPEND
 from dbt_ivm.errors import Reason
 from dbt_ivm.names import DIALECT, canonical, ident
 from dbt_ivm.partitions import lineage
@@ -116,7 +117,7 @@ def run(r: "Refresher", plan, sources: list[Source], watermark: Watermark, chang
         return
     types, sums = dict(watermark.columns), dict(watermark.sums)
     pinned = apply.pinned_query(r.sql, sources, {s.physical: s.version for s in sources})
-    body, _, _ = state_body(plan, sources, types, sums, pinned)
+    body, _, _ = state_body(plan, sources, types, sums, pinned, r.layout == APPEND)
     where = change.predicate(types[change.column])
     cond = where.sql(dialect=DIALECT)
     statement = (f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} "

@@ -174,6 +174,8 @@ class Refresher:
         if decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and self.layout != APPEND:
             decision = Decision(FULL, Reason(
                 "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
+        elif decision.strategy == PARTITION:
+            self.layout = watermark.layout  # the view it finds reads the rows it writes
         self.phases["decide"] = round(time.time() - start - sum(self.phases.values()), 3)
         result = Result(decision.strategy, decision.reason, skipped=list(decision.skipped))
         result.estimates = {k: round(v[0], 2) for k, v in estimated.items()}
@@ -390,9 +392,10 @@ class Refresher:
             return
         if not apply.append_eligible(plan):
             raise IvmConfigError(
-                "ivm_state_layout 'append' keeps a state as appended layers of partial sums: it needs a "
-                "GROUP BY or scalar aggregate of COUNT, SUM and AVG only (no MIN/MAX, DISTINCT or plain "
-                "rows) that refreshes incrementally. Use ivm_state_layout: auto or merge for this model.")
+                "ivm_state_layout 'append' keeps a state as appended layers of changes: it needs a model "
+                "that refreshes incrementally and is either plain rows or a GROUP BY or scalar aggregate "
+                "of COUNT, SUM and AVG only (no MIN/MAX or DISTINCT). Use ivm_state_layout: auto or merge "
+                "for this model.")
         if self.config["ivm_mv_dependents"]:
             raise IvmConfigError(
                 "ivm_state_layout 'append' cannot serve an incremental_mv that reads this model: such a "

@@ -34,6 +34,11 @@ AVGS = """
     {{ config(materialized='incremental_mv', ivm_state_layout='%s') }}
     select g, avg(p) as ap, avg(p * 3) as ap3, count(*) as n from {{ source('src', 'm') }} group by g
 """
+ROWS = """
+    {{ config(materialized='incremental_mv', ivm_state_layout='%s') }}
+    select a.g, a.v, b.label from {{ source('src', 't') }} a left join {{ source('src', 'd') }} b on a.g = b.g
+    where a.k is null or a.k <> 5
+"""
 GROWN = """
     {{ config(materialized='incremental_mv'%s) }}
     select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k
@@ -57,12 +62,16 @@ def project(tmp_path_factory):
     p.write("models/grown.sql", GROWN % "")
     p.write("models/avg_merge.sql", AVGS % "merge")
     p.write("models/avg_append.sql", AVGS % "append")
+    p.write("models/rows_append.sql", ROWS % "append")
+    p.write("models/rows_auto.sql", ROWS % "auto")
     p.write("models/schema.yml", """
         version: 2
         models:
           - {name: sums, data_tests: [ivm_consistent]}
           - {name: total, data_tests: [ivm_consistent]}
           - {name: grown, data_tests: [ivm_consistent]}
+          - {name: rows_append, data_tests: [ivm_consistent]}
+          - {name: rows_auto, data_tests: [ivm_consistent]}
     """)
     return p
 
@@ -131,6 +140,53 @@ def test_append_layout_through_changes_and_compaction(project, monkeypatch):
     _, wm = refresh.read_watermark(SessionExecutor(), f"{OUT}.sums__ivm_state")
     assert wm.layout == "append" and wm.layers[0] == 1 and wm.layers[2] is not None, wm.layers
     assert project.dbt("test", "--select", "sums", "total").success
+
+
+def test_append_layout_of_plain_rows(project, monkeypatch):
+    """A model of plain rows (here over a LEFT JOIN, with duplicates and NULLs)
+    kept as unit rows: a build writes every row once (no consolidation), a
+    refresh appends the net change (removals as negative rows, no read of the
+    state), the view sums only the rows with removals, compaction brings back
+    unit rows. ``rows_auto`` starts under the merge layout (consolidated
+    duplicates, counts > 1) and switches: the view must read both forms."""
+    monkeypatch.setattr(refresh.incremental, "MAX_LAYERS", 3)
+    monkeypatch.setattr(refresh.incremental, "LAYER_FRACTION", 1e9)
+    models = ("rows_append", "rows_auto")
+    out = project.dbt("run", "--select", *models)
+    _exact(out, *models)
+    assert _layout("rows_append") == "append" and _layout("rows_auto") == "merge"
+    visible = sql(f"select count(*) from {OUT}.rows_append")[0][0]
+    assert _state_rows("rows_append") == visible  # unit rows: one state row per row of the model
+    assert _state_rows("rows_auto") < visible  # the merge layout consolidates the duplicates
+    monkeypatch.setattr(refresh.refresher, "APPEND_AUTO_BYTES", 1)
+    steps = [
+        # a copy of duplicated rows goes (one of two (g, v) rows differing only in k), rows come in twice
+        [f"delete from {SRC}.t where k = 2 and v = 50", f"insert into {SRC}.t values (2, 'g2', 50, 0.0), "
+         f"(1, 'g1', 51, 0.0), (1, 'g1', 51, 0.0), (null, null, null, null)"],
+        # the LEFT JOIN's other side: a dimension row goes and comes back renamed; a row moves out of the filter
+        [f"delete from {SRC}.d where g = 'g3'", f"update {SRC}.t set k = 5 where v = 51",
+         f"insert into {SRC}.d values ('g3', 'green')"],
+        # every copy of a row goes, a NULL row too
+        [f"delete from {SRC}.t where v = 50 or v is null"],
+        [f"insert into {SRC}.t values (4, 'g0', 1, 1.0)"],
+    ]
+    for statements in steps:
+        for s in statements:
+            sql(s)
+        out = project.dbt("run", "--select", *models)
+        _exact(out, *models)
+        for m in models:
+            assert out.code(m) == "INCREMENTAL", out.response(m)
+            assert "appended" in (out.response(m).get("rows") or {}), out.response(m)
+        assert _layout("rows_auto") == "append"
+    for m in models:  # compacted after the third layer, one layer since: unit rows, but for that layer's
+        history = [r.operationParameters.get("mode") for r in sql(f"describe history {OUT}.{m}__ivm_state")]
+        assert history[:2] == ["Append", "Overwrite"], history
+    assert sql(f"select count(*) from {OUT}.rows_append__ivm_state where __ivm_count <> 1")[0][0] == 0
+    out = project.dbt("run", "--select", *models, "--full-refresh")
+    _exact(out, *models)
+    assert _state_rows("rows_auto") == sql(f"select count(*) from {OUT}.rows_auto")[0][0]  # now unit rows
+    assert project.dbt("test", "--select", *models).success
 
 
 def _cents(g: int, ones: int, zeros: int) -> str:

@@ -150,8 +150,37 @@ def test_append_layout_statements():
     # a scalar aggregate is one row even when its input is empty: no HAVING
     scalar = build_plan("select count(*) as n, sum(d) as s from db.a", cat)
     assert "HAVING" not in folded_state(scalar, "db.s", {"n": "bigint", "s": "double"})
-    for sql in ("select i, min(j) as m from db.a group by i", "select distinct i from db.a", "select i from db.a"):
+    for sql in ("select i, min(j) as m from db.a group by i", "select distinct i from db.a"):
         assert not append_eligible(build_plan(sql, cat))
+
+
+def test_append_layout_of_a_bag():
+    """A bag's layered state: unit rows (no GROUP BY over every column), a
+    layer of the net change per row (removals as one negative row), and a
+    fold that sums only rows whose RID carries another count."""
+    import sqlglot
+
+    from dbt_ivm.apply import append_eligible, append_statement, bag_state_of_query, folded_state, state_query
+    from dbt_ivm.delta import Window
+
+    cat = Catalog({"db.a": Source("db.a", (("i", "int"), ("j", "int")), kind="delta", version=3, cdf=True)})
+    plan = build_plan("select i, j * 2 as j2 from db.a where i > 0", cat)
+    assert append_eligible(plan)
+    window = Window(old={"db.a": 2}, new={"db.a": 3})
+    insert = append_statement(plan, "db.s", window, {})
+    folded = folded_state(plan, "db.s", {})
+    units = state_query(plan, Window(new={"db.a": 3}), {}, layered=True)
+    for statement in (insert, folded, units):
+        sqlglot.parse_one(statement, read="spark")
+    assert "GROUP BY" not in units and "explode" not in units and "CAST(1 AS BIGINT) AS __ivm_count" in units
+    assert "GROUP BY" in state_query(plan, Window(new={"db.a": 3}), {})  # the merge layout consolidates
+    assert insert.startswith("INSERT INTO `db`.`s` SELECT")
+    assert "`db`.`s`" not in insert.split(" SELECT ", 1)[1]  # the layer does not read the state
+    assert "CASE WHEN __ivm_u.__ivm_count > 0 THEN 1 ELSE __ivm_u.__ivm_count END" in insert
+    assert "LEFT ANTI JOIN" in folded and "LEFT SEMI JOIN" in folded and "__ivm_count < 1 OR __ivm_count > 1" in folded
+    assert append_statement(plan, "db.s", Window(old={"db.a": 3}, new={"db.a": 3}), {}) is None
+    # a query only ever rebuilt is kept as unit rows too
+    assert "GROUP BY" not in bag_state_of_query("SELECT 1 AS x", ["x"])
 
 
 VERSIONED = Catalog({

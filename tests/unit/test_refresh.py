@@ -430,6 +430,8 @@ MINMAX = "select i, max(v) as m from db.a group by i"
     ("auto", SUMS, True, "append", True, 3 << 20, "merge"),  # an incremental_mv reads it: rows, not layers
     ("auto", MINMAX, False, "merge", True, 3 << 20, "merge"),  # MIN/MAX cannot be summed
     ("auto", "select distinct i from db.a", False, "merge", True, 3 << 20, "merge"),
+    ("auto", "select i, v from db.a", False, "merge", True, 3 << 20, "append"),  # plain rows: unit rows
+    ("auto", "select i, v from db.a", True, "merge", True, 3 << 20, "merge"),
     ("merge", SUMS, False, "append", True, 3 << 20, "merge"),  # told
     ("append", SUMS, False, "merge", True, 0, "append"),
 ])
@@ -449,7 +451,7 @@ def test_state_layout_follows_plan_readers_and_size(setting, sql, readers, had, 
 
 @pytest.mark.parametrize("sql,readers,says", [
     (MINMAX, False, "no MIN/MAX"),
-    ("select i, v from db.a", False, "no MIN/MAX, DISTINCT or plain rows"),
+    ("select distinct i, v from db.a", False, "no MIN/MAX or DISTINCT"),
     (SUMS, True, "reads this model"),
 ])
 def test_append_where_it_cannot_hold_is_a_config_error(sql, readers, says):
