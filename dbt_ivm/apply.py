@@ -28,10 +28,6 @@ from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, parse, source_tables, tab
 COUNT = f"{PREFIX}count"
 RID = f"{PREFIX}rid"
 RC = f"{PREFIX}rc"
-# An aggregate's state under the append layout: TRUE on rows of an appended
-# layer, FALSE on rows written whole (a build, a compaction); NULL on rows
-# written under the merge layout before the state switched (see folded_state).
-LAYER = f"{PREFIX}layer"
 
 
 def _sql(e: exp.Expression) -> str:
@@ -323,12 +319,10 @@ def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, str], types: di
     return _sql(expr.copy().transform(repl))
 
 
-def _aggregate_state(plan: Plan, window: Window, types: dict, layered: bool = False) -> str:
+def _aggregate_state(plan: Plan, window: Window, types: dict) -> str:
     rel = _sql(snapshot(plan.input, window, NEW))
     cols = _new_state(plan, None, types)
     select = ", ".join(f"{v} AS {ident(k)}" for k, v in cols.items())
-    if layered:
-        select += f", FALSE AS {LAYER}"
     return f"SELECT {select} FROM ({_aggregate_input(plan, rel, _unit_weights(plan))}) AS s"
 
 
@@ -473,7 +467,6 @@ def append_statement(plan: Plan, state: str, window: Window, types: dict) -> Opt
             select.append(f"{_cast('NULL', types.get(name))} AS {ident(name)}")
         else:
             select.append(f"s.{ident(name)}")
-    select.append(f"TRUE AS {LAYER}")
     nonzero = " OR ".join(f"COALESCE(s.{c}, 0) <> 0" for c in partials)
     return f"INSERT INTO {canonical(state)} SELECT {', '.join(select)} FROM ({change}) AS s WHERE {nonzero}"
 
@@ -487,23 +480,11 @@ def folded_state(plan: Plan, state: str, types: dict) -> str:
         return _folded_bag(plan.columns, state)
     keys = plan.key_columns
     sums = [f"SUM({c}) AS {c}" for c in [COUNT] + _partials(plan)]
+    group = f" GROUP BY {', '.join(keys)} HAVING SUM({COUNT}) > 0" if keys else ""
+    folded = f"SELECT {', '.join(keys + sums)} FROM {canonical(state)}{group}"
     cols = _new_state(plan, None, types)
-    select = ", ".join(f"{v} AS {ident(k)}" for k, v in cols.items()) + f", FALSE AS {LAYER}"
-    if not keys:  # one group: its base row and its layers, summed
-        return f"SELECT {select} FROM (SELECT {', '.join(sums)} FROM {canonical(state)}) AS s"
-    # Groups no layer touched are their base row as it stands (a scan with a
-    # broadcast anti join against the layers' keys, which data skipping finds
-    # in the layers' files alone); only the others are summed. With no layer
-    # (after a compaction) the broadcast side is empty and Spark's adaptive
-    # execution drops the second scan.
-    b, n = f"{PREFIX}b", f"{PREFIX}n"
-    layered = f"(SELECT {', '.join(keys)} FROM {canonical(state)} WHERE {LAYER}) AS {n}"  # semi/anti: no DISTINCT
-    on = " AND ".join(f"{b}.{k} <=> {n}.{k}" for k in keys)
-    kept = (f"SELECT /*+ BROADCAST({n}) */ {', '.join(f'{b}.{ident(k)}' for k in cols)}, FALSE AS {LAYER} "
-            f"FROM {canonical(state)} AS {b} LEFT ANTI JOIN {layered} ON {on}")
-    touched = f"(SELECT /*+ BROADCAST({n}) */ {b}.* FROM {canonical(state)} AS {b} LEFT SEMI JOIN {layered} ON {on})"
-    folded = f"SELECT {', '.join(keys + sums)} FROM {touched} AS {PREFIX}t GROUP BY {', '.join(keys)} HAVING SUM({COUNT}) > 0"
-    return f"{kept} UNION ALL SELECT {select} FROM ({folded}) AS s"
+    select = ", ".join(f"{v} AS {ident(k)}" for k, v in cols.items())
+    return f"SELECT {select} FROM ({folded}) AS s"
 
 
 # --------------------------------------------------------------------------- public
@@ -543,7 +524,7 @@ def state_query(plan: Plan, window: Window, types: dict, layered: bool = False) 
     """SELECT producing the whole state table at the window's new versions
     (``layered``: for the append layout, where a bag's rows are unit rows)."""
     if plan.kind == AGGREGATE:
-        return _aggregate_state(plan, window, types, layered)
+        return _aggregate_state(plan, window, types)
     if layered and plan.kind == BAG:
         return _bag_units(plan, window)
     return _bag_state(plan, window)

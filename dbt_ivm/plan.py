@@ -38,7 +38,7 @@ from dbt_ivm.support import check_structure, check_support, position, root_decom
 
 PREFIX = "__ivm_"
 # 2: MIN/MAX keep a bounded top-k per group; 3: canonical quoted table names
-COMPILER_VERSION = "5"  # 5: an append-layout aggregate state marks its layers (apply.LAYER)
+COMPILER_VERSION = "4"  # 4: AVG of a decimal divides Spark's sum type (Watermark.sums)
 
 BAG, DISTINCT, AGGREGATE = "bag", "distinct", "aggregate"
 

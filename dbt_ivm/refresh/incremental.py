@@ -12,7 +12,7 @@ from dbt_ivm.config import APPEND
 from dbt_ivm.delta import Window, materialized
 from dbt_ivm.errors import Reason
 from dbt_ivm.names import DIALECT, canonical, ident
-from dbt_ivm.plan import AGGREGATE, PREFIX, Plan
+from dbt_ivm.plan import PREFIX, Plan
 from dbt_ivm.refresh.decide import INCREMENTAL, NOOP, Decision, Result
 from dbt_ivm.refresh.log import _as_map
 from dbt_ivm.refresh.watermark import Watermark, _failpoint
@@ -169,13 +169,7 @@ def append_layer(r: "Refresher", plan: Plan, sources, watermark: Watermark, resu
     r.set_properties(watermark)
     if watermark.layout != APPEND:
         # The folding view first: it reads a state without layers the same
-        # as the plain one, so the model is right whatever happens next. An
-        # aggregate's layers are marked (apply.LAYER): a state written under
-        # the merge layout gains the column (a metadata-only commit; its rows
-        # read NULL there, rows written whole).
-        if plan.kind == AGGREGATE and apply.LAYER not in {
-                str(row[0]).strip().lower() for row in r.ex.query(f"DESCRIBE TABLE {canonical(r.state)}")}:
-            r.ex.query(f"ALTER TABLE {canonical(r.state)} ADD COLUMNS ({apply.LAYER} BOOLEAN)")
+        # as the plain one, so the model is right whatever happens next.
         r.create_view(plan, plan.kind, plan.columns, types)
     wm = r.watermark_for(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns,
                          watermark.sums)

@@ -6,7 +6,8 @@ feed on) in schema ``rnd_src``; the models land in ``rnd_out``:
 
 * ``m1_agg``        grouped SUM / COUNT(*) / COUNT(x) / AVG / MIN / MAX, nullable group key
 * ``m2_join3_agg``  3-way inner join + grouped aggregate
-* ``m3_join_proj``  inner-join projection without aggregate (duplicate rows: bag semantics)
+* ``m3_join_proj``  inner-join projection without aggregate (duplicate rows: bag semantics), kept as
+  unit rows with signed layers (``ivm_state_layout='append'``)
 * ``m4_distinct``   SELECT DISTINCT over a table
 * ``m5_union``      UNION ALL of filtered arms (t_a twice, overlapping filters, plus t_b)
 * ``m6_scalar``     scalar aggregate (no GROUP BY) over a table that sometimes empties
@@ -143,6 +144,7 @@ MODELS: dict[str, tuple[str, tuple, tuple]] = {
         group by c.cat, a.grp
     """, ("t_a", "t_b", "t_c"), ()),
     "m3_join_proj": (f"""
+        {{{{ config(ivm_state_layout='append') }}}}
         select a.grp, a.v, b.w, b.jk2
         from {src('t_a')} a
         inner join {src('t_b')} b on a.jk = b.jk
