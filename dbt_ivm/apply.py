@@ -126,16 +126,15 @@ def _folded_bag(cols: list[str], state: str) -> str:
     where no copy is left, and repeated. Where no such RID exists (after a
     compaction, or inserts only) the broadcast side is empty and Spark's
     adaptive execution drops the second scan."""
-    listed = ", ".join(ident(c) for c in cols)
+    b, n = f"{PREFIX}b", f"{PREFIX}n"
+    listed = ", ".join(f"{b}.{ident(c)}" for c in cols)
     odd = (f"(SELECT {RID} FROM {canonical(state)} "
-           f"WHERE {COUNT} < 1 OR {COUNT} > 1) AS {PREFIX}n")  # no DISTINCT: a shuffle for nothing
-    kept = (f"SELECT /*+ BROADCAST({PREFIX}n) */ {', '.join(f'{PREFIX}b.{ident(c)}' for c in cols)}, "
-            f"{PREFIX}b.{RID}, {PREFIX}b.{COUNT} FROM {canonical(state)} AS {PREFIX}b "
-            f"LEFT ANTI JOIN {odd} ON {PREFIX}b.{RID} = {PREFIX}n.{RID}")
-    summed = (f"SELECT /*+ BROADCAST({PREFIX}n) */ {', '.join(f'{PREFIX}b.{ident(c)}' for c in cols)}, "
-              f"SUM({PREFIX}b.{COUNT}) AS {COUNT} FROM {canonical(state)} AS {PREFIX}b "
-              f"LEFT SEMI JOIN {odd} ON {PREFIX}b.{RID} = {PREFIX}n.{RID} "
-              f"GROUP BY {', '.join(f'{PREFIX}b.{ident(c)}' for c in cols)} HAVING SUM({PREFIX}b.{COUNT}) > 0")
+           f"WHERE {COUNT} < 1 OR {COUNT} > 1) AS {n}")  # no DISTINCT: a shuffle for nothing
+    on = f"{b}.{RID} = {n}.{RID}"
+    kept = (f"SELECT /*+ BROADCAST({n}) */ {listed}, {b}.{RID}, {b}.{COUNT} FROM {canonical(state)} AS {b} "
+            f"LEFT ANTI JOIN {odd} ON {on}")
+    summed = (f"SELECT /*+ BROADCAST({n}) */ {listed}, SUM({b}.{COUNT}) AS {COUNT} FROM {canonical(state)} AS {b} "
+              f"LEFT SEMI JOIN {odd} ON {on} GROUP BY {listed} HAVING SUM({b}.{COUNT}) > 0")
     return f"{kept} UNION ALL {_unit_rows(summed, cols, COUNT, False)}"
 
 

@@ -41,6 +41,14 @@ from sqlglot import exp
 APPEND_AUTO_BYTES = 2 << 20
 
 
+# ... and a model of plain rows once it wrote this much. Its append layout
+# saves the MERGE that matches every state row (2-3 s at a few MiB, 15-20 s at
+# 200 MiB: BENCHMARKS.md, eighteenth session), but while a layer holds
+# removals each read scans the state twice, and on a small state the view's
+# two extra stages are most of a read (6-8x a table's at 6 MiB).
+BAG_APPEND_AUTO_BYTES = 32 << 20
+
+
 # ivm_deletion_vectors='auto' turns them on once a commit of the state table
 # wrote this much (written_bytes; a rebuild writes all of it). A
 # MERGE into a state with deletion vectors marks the rows it replaces instead of
@@ -410,13 +418,15 @@ class Refresher:
         rewrites or marks every state file the change touches), at the cost of
         reads that aggregate. 'auto' picks append for an eligible plan no
         incremental_mv reads once a commit of its state wrote APPEND_AUTO_BYTES
-        (read from the history, no query); once append, it stays append."""
+        (BAG_APPEND_AUTO_BYTES for plain rows; read from the history, no
+        query); once append, it stays append."""
         want = self.config["ivm_state_layout"]
         if want != "auto":
             self.layout = want
         elif not apply.append_eligible(plan) or self.config["ivm_mv_dependents"] or old is None:
             self.layout = MERGE
-        elif old.layout == APPEND or (incr and old.written_bytes >= APPEND_AUTO_BYTES):
+        elif old.layout == APPEND or (incr and old.written_bytes >= (
+                BAG_APPEND_AUTO_BYTES if plan.kind == BAG else APPEND_AUTO_BYTES)):
             self.layout = APPEND
         else:
             self.layout = MERGE

@@ -235,6 +235,7 @@ def suite(tmp_path_factory, request):
             from dbt_ivm import refresh
 
             mp.setattr(refresh.refresher, "APPEND_AUTO_BYTES", 0)
+            mp.setattr(refresh.refresher, "BAG_APPEND_AUTO_BYTES", 0)
         s.run()
         if os.environ.get("DBT_IVM_SCENARIO_FULL", "0") == "1":
             s.run_audit()

@@ -158,7 +158,7 @@ def test_append_layout_of_plain_rows(project, monkeypatch):
     visible = sql(f"select count(*) from {OUT}.rows_append")[0][0]
     assert _state_rows("rows_append") == visible  # unit rows: one state row per row of the model
     assert _state_rows("rows_auto") < visible  # the merge layout consolidates the duplicates
-    monkeypatch.setattr(refresh.refresher, "APPEND_AUTO_BYTES", 1)
+    monkeypatch.setattr(refresh.refresher, "BAG_APPEND_AUTO_BYTES", 1)
     steps = [
         # a copy of duplicated rows goes (one of two (g, v) rows differing only in k), rows come in twice
         [f"delete from {SRC}.t where k = 2 and v = 50", f"insert into {SRC}.t values (2, 'g2', 50, 0.0), "
