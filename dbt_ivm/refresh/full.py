@@ -55,10 +55,10 @@ def _check_row_types(types: dict) -> None:
 
 def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optional[Watermark]) -> None:
     pinned = apply.pinned_query(r.sql, sources, {s.physical: s.version for s in sources})
-    # Same signature (model SQL, source schemas, compiler), same layout (an
-    # aggregate's layered state has one more column) and no commit on the
-    # state since the watermark's: the query's types and the state's schema
-    # are the ones recorded, and the three DESCRIBE statements are skipped.
+    # Same signature (model SQL, source schemas, compiler), same layout (it
+    # decides the form of the state's rows) and no commit on the state since
+    # the watermark's: the query's types and the state's schema are the ones
+    # recorded, and the three DESCRIBE statements are skipped.
     known = (state_exists and old is not None and old.signature == sig and bool(old.columns)
              and old.layout == r.layout
              and old.state_version is not None and old.state_version == old.commit_version)

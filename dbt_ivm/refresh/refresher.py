@@ -42,11 +42,12 @@ APPEND_AUTO_BYTES = 2 << 20
 
 
 # ... and a model of plain rows once it wrote this much. Its append layout
-# saves the MERGE that matches every state row (2-3 s at a few MiB, 15-20 s at
-# 200 MiB: BENCHMARKS.md, eighteenth session), but while a layer holds
-# removals each read scans the state twice, and on a small state the view's
-# two extra stages are most of a read (6-8x a table's at 6 MiB).
-BAG_APPEND_AUTO_BYTES = 32 << 20
+# saves the MERGE that matches every state row on every column (measured on 2
+# cores, BENCHMARKS.md, eighteenth session: 2-3 s against 1.6 s at 6 MiB,
+# 5.6-7.5 s against 1.2-2.5 s at 20 MiB, 15-20 s against 1.2-3.2 s at 200 MiB),
+# but while a layer holds removals each read scans the state twice, about a
+# second more per read at 6-20 MiB: below this size the trade does not pay.
+BAG_APPEND_AUTO_BYTES = 16 << 20
 
 
 # ivm_deletion_vectors='auto' turns them on once a commit of the state table

@@ -430,8 +430,8 @@ MINMAX = "select i, max(v) as m from db.a group by i"
     ("auto", SUMS, True, "append", True, 3 << 20, "merge"),  # an incremental_mv reads it: rows, not layers
     ("auto", MINMAX, False, "merge", True, 3 << 20, "merge"),  # MIN/MAX cannot be summed
     ("auto", "select distinct i from db.a", False, "merge", True, 3 << 20, "merge"),
-    ("auto", "select i, v from db.a", False, "merge", True, 3 << 20, "merge"),  # plain rows: from 32 MiB
-    ("auto", "select i, v from db.a", False, "merge", True, 40 << 20, "append"),
+    ("auto", "select i, v from db.a", False, "merge", True, 3 << 20, "merge"),  # plain rows: from 16 MiB
+    ("auto", "select i, v from db.a", False, "merge", True, 20 << 20, "append"),
     ("auto", "select i, v from db.a", True, "merge", True, 3 << 20, "merge"),
     ("merge", SUMS, False, "append", True, 3 << 20, "merge"),  # told
     ("append", SUMS, False, "merge", True, 0, "append"),
