@@ -123,9 +123,9 @@ def _folded_bag(cols: list[str], state: str) -> str:
     written under the merge layout, consolidated duplicates (> 1). Rows whose
     RID never carries another count are the bag's rows as they stand (a scan
     with a broadcast anti join); the few others are summed per row, dropped
-    where no copy is left, and repeated. Where no such RID exists (after a
-    compaction, or inserts only) the broadcast side is empty and Spark's
-    adaptive execution drops the second scan."""
+    where no copy is left, and repeated. The second branch scans the state
+    again even when it finds nothing (measured: a read costs 1.4-1.9x the
+    state's scan with no such RID, about 3x with a few; BENCHMARKS.md)."""
     b, n = f"{PREFIX}b", f"{PREFIX}n"
     listed = ", ".join(f"{b}.{ident(c)}" for c in cols)
     odd = (f"(SELECT {RID} FROM {canonical(state)} "
