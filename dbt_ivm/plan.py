@@ -689,6 +689,8 @@ def _split_operator(query: exp.Select, catalog: Catalog, ctes: dict) -> Node:
         keys = [e.unalias().copy() for e in op.expressions]
     else:
         _break_ties(windows, [exp.column(p.alias, table=x_alias, quoted=True) for p in cols])
+        _project_partition_keys(windows, cols, x_alias)
+        x.set("expressions", cols)
         keys = _partition_keys(windows)
         if not keys:
             raise UnsupportedQuery([Reason(
@@ -714,6 +716,41 @@ def _break_ties(windows: list[exp.Window], columns: list[exp.Expression]) -> Non
         if order is None or not (isinstance(w.this, _ORDER_SENSITIVE) or rows):
             continue
         order.set("expressions", [*order.expressions, *(exp.Ordered(this=c.copy()) for c in columns)])
+
+
+def _project_partition_keys(windows: list[exp.Window], cols: list[exp.Expression], x_alias: str) -> None:
+    """A PARTITION BY expression that is not a column is computed below the
+    windows instead — a projection of X (``cols``) named ``__ivm_w<n>`` — and
+    the windows partition by that column. Spark moves a filter or a semi join
+    below a Window only when every PARTITION BY expression is a column
+    (PushPredicateThroughNonJoin, PushDownLeftSemiAntiJoin): a partition
+    refresh's filter on the model's partition column then reaches the scan.
+
+    >>> w = sqlglot.parse_one("SELECT row_number() OVER (PARTITION BY g.a, g.j1 % 5 ORDER BY g.a) FROM g", read=DIALECT)
+    >>> cols = [exp.alias_(exp.column("b", table="t"), "j1")]
+    >>> _project_partition_keys(list(w.find_all(exp.Window)), cols, "g")
+    >>> w.sql(DIALECT), [c.sql(DIALECT) for c in cols]
+    ('SELECT ROW_NUMBER() OVER (PARTITION BY g.a, `g`.`__ivm_w0` ORDER BY g.a) FROM g', ['t.b AS j1', 't.b % 5 AS `__ivm_w0`'])
+    """
+    lifted = {c.alias: c.this for c in cols}
+    named: dict = {}
+
+    def inner(node: exp.Expression) -> exp.Expression:
+        if isinstance(node, exp.Column) and node.table == x_alias and node.name in lifted:
+            return lifted[node.name].copy()
+        return node
+
+    for w in windows:
+        keys = []
+        for p in w.args.get("partition_by") or []:
+            if not isinstance(p, exp.Column):
+                sql = p.sql(DIALECT)
+                if sql not in named:
+                    named[sql] = f"{PREFIX}w{len(named)}"
+                    cols.append(exp.alias_(p.copy().transform(inner), named[sql], quoted=True))
+                p = exp.column(named[sql], table=x_alias, quoted=True)
+            keys.append(p)
+        w.set("partition_by", keys)
 
 
 def _partition_keys(windows: list[exp.Window]) -> list[exp.Expression]:

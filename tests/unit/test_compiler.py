@@ -370,3 +370,17 @@ def test_correlated_not_in_keeps_its_flags_per_correlation_key():
     assert ("LEFT JOIN (SELECT COUNT(*) AS `__ivm_e0`, COUNT(`b`.`i`) AS `__ivm_e1`, `b`.`k` AS `__ivm_e2` "
             "FROM `db`.`b` AS `b` GROUP BY `b`.`k`)") in text
     assert "`__ivm_s1`.`__ivm_e0` IS NULL OR (" in text  # no row for the key: the subquery is empty there
+
+
+def test_window_partition_expressions_are_computed_below_the_window():
+    """Spark moves a filter below a window only when every PARTITION BY
+    expression is a column: an expression key is computed in the window's
+    input and the window partitions by that column (a partition refresh's
+    filter on the model's partition column then prunes the scan)."""
+    plan = build_plan("select a.i, a.j, row_number() over (partition by a.i, a.j % 5 order by a.d) as rn, "
+                      "sum(a.d) over (partition by a.j % 5, a.i) as s from db.a a", VERSIONED)
+    windows = list(plan.input.select.find_all(exp.Window))
+    assert len(windows) == 2 and all(isinstance(p, exp.Column) for w in windows for p in w.args["partition_by"])
+    below = plan.input.items[0][1].select.sql("spark")
+    assert below.count("% 5 AS `__ivm_w0`") == 1 and "__ivm_w1" not in below  # one column for the shared key
+    assert sorted(k.name for k in plan.input.keys[0]) == ["__ivm_j0", "__ivm_w0"]
