@@ -159,6 +159,22 @@ def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = Non
     return out
 
 
+def partition_floor(costs: dict, replaced: int) -> Optional[float]:
+    """The least a partition refresh of ``replaced`` partitions is estimated
+    at without counting the state's partitions: its own measured cost grown
+    with the partitions, else FIXED_SHARE of the newest rebuild; None without
+    a basis. An incremental estimate below it settles the cost rule without
+    that count (a Spark job over the state's file list on every refresh).
+
+    >>> partition_floor({"full": 10.0}, 3), partition_floor({"partition": (2.0, 1)}, 3), partition_floor({}, 1)
+    (4.0, 4.0, None)
+    """
+    if costs.get("partition"):
+        seconds, before = costs["partition"]
+        return _scaled(seconds, before, replaced)
+    return None if costs.get("full") is None else costs["full"] * FIXED_SHARE
+
+
 def cheapest(candidates: list, est: dict, costs: dict) -> tuple[str, Optional[Reason]]:
     """The strategy to take among ``candidates`` (in the chain's order; the
     last is FULL): the one estimated cheapest, compared only where both have

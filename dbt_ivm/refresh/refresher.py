@@ -27,7 +27,7 @@ from dbt_ivm.plan import BAG, Plan, build_plan, referenced_tables, signature
 from dbt_ivm.refresh import full, history, incremental, partition
 from dbt_ivm.refresh.decide import (
     _REBUILD_REASONS, CREATE, FULL, INCREMENTAL, NOOP, NOT_PARTITIONED, PARTITION, SMALL_CHANGE, Decision, Result,
-    changed_sources, cheapest, decide, estimates, too_large,
+    changed_sources, cheapest, decide, estimates, partition_floor, too_large,
 )
 from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, describe_source, relations_present
 from dbt_ivm.refresh.full import _digest, _properties
@@ -274,16 +274,25 @@ class Refresher:
                                             not isinstance(part, Reason) else []) + [FULL]
         replaced = total = None
         costs = watermark.costs
+        changes = self.changes if decision.strategy == INCREMENTAL else None
+        passed = part  # why PARTITION is passed over, if it is not for cost
         if PARTITION in candidates and decision.strategy == INCREMENTAL:
-            too_many = self._too_many_partitions(part)
-            if too_many is not None:  # the threshold rule holds here too
+            # Estimated dearer than INCREMENTAL whatever the state's partition
+            # count: not a candidate, and the partitions are not counted.
+            inc, floor = estimates(costs, changes).get(INCREMENTAL), partition_floor(costs, len(part.values))
+            if inc is not None and floor is not None and inc[0] < floor:
                 candidates.remove(PARTITION)
-                part = too_many
+                passed = None
+            else:
+                too_many = self._too_many_partitions(part)
+                if too_many is not None:  # the threshold rule holds here too
+                    candidates.remove(PARTITION)
+                    passed = too_many
         if PARTITION in candidates:
             replaced = len(part.values)
             if not costs.get("partition") and costs.get("full") is not None:
                 total = self.partition_total()
-        est = estimates(costs, self.changes if decision.strategy == INCREMENTAL else None, replaced, total)
+        est = estimates(costs, changes, replaced, total)
         best, why = cheapest(candidates, est, costs)
         if best == decision.strategy:
             return decision, est
@@ -291,7 +300,7 @@ class Refresher:
         if best == PARTITION:
             return Decision(PARTITION, why, skipped), est
         if decision.strategy == INCREMENTAL:
-            skipped += ((PARTITION, why if PARTITION in candidates else part),)
+            skipped += ((PARTITION, passed if isinstance(passed, Reason) else why),)
         return Decision(FULL, why if decision.strategy == INCREMENTAL else decision.reason, skipped), est
 
     def _partition_cost(self, decision: Decision, part) -> Decision:

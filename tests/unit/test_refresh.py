@@ -409,6 +409,33 @@ def test_cost_rule_weighs_the_partition_strategy():
     assert _choice({"full": 1.0, "partition": (3.0, 2)}, None, ("PARTITION", "FULL"), replaced=2)[0] == "FULL"
 
 
+def test_cost_rule_counts_partitions_only_when_partition_may_win(monkeypatch):
+    """The state's partitions are counted (a Spark job) only when a partition
+    refresh could be estimated cheapest; FULL is still weighed without it."""
+    from types import SimpleNamespace
+
+    from dbt_ivm.refresh.decide import Decision
+    from dbt_ivm.refresh.refresher import Refresher
+
+    r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"], "ivm_policy": "auto"}, False)
+    counted = []
+    monkeypatch.setattr(r, "partition_total", lambda: counted.append(1) or 100)
+    part, r.changes = SimpleNamespace(values=[("2024-01-01",)]), 1000
+
+    def choose(costs):
+        counted.clear()
+        return r._cheapest(Decision("INCREMENTAL"), part, SimpleNamespace(costs=costs))
+
+    decision, est = choose({"full": 15.8, "incremental": (0.7, 1000)})  # 0.7 s < 40 % of 15.8 s
+    assert decision.strategy == "INCREMENTAL" and not counted and set(est) == {"INCREMENTAL", "FULL"}
+    decision, est = choose({"full": 3.0, "incremental": (2.0, 1000)})  # 3.0 × (0.4 + 0.6 / 100) = 1.2 s
+    assert counted and decision.strategy == "PARTITION" and round(est["PARTITION"][0], 2) == 1.22
+    decision, _ = choose({"full": 3.0, "incremental": (5.0, 1000), "partition": (6.0, 1)})
+    assert not counted and decision.strategy == "FULL"
+    assert [(s, why.code) for s, why in decision.skipped] == [("INCREMENTAL", "REBUILD_CHEAPER"),
+                                                              ("PARTITION", "REBUILD_CHEAPER")]
+
+
 def _plan(sql):
     from dbt_ivm.catalog import Catalog
     from dbt_ivm.plan import build_plan
