@@ -121,15 +121,53 @@ def _scaled(seconds: float, before: int, now: int) -> float:
     return seconds * max(1.0, 0.5 + 0.5 * now / max(before, 1))
 
 
+# The prior slope of an incremental refresh's cost, before refreshes of two
+# change sizes were measured: a changed row costs what this many source rows
+# cost in the newest rebuild. Calibrated on this project's partition
+# benchmark (2 cores, docs/NOTES.md, twentieth session): 1–9 at 10 M rows
+# (a projection 1, an aggregate 5, a window 9), 5–24 at 1 M.
+ROW_COST_FACTOR = 5.0
+
+
+def fit(points: list, now: int, slope: Optional[float]) -> Optional[float]:
+    """Seconds a refresh of size ``now`` is estimated at from measured
+    ``points`` ((seconds, size), newest first): a least-squares line where the
+    sizes measured span 2x or more (its slope never negative), else a line of
+    the ``slope`` given through the newest point; never below the cheapest
+    measured (a refresh's fixed cost). None with one size measured and no
+    slope.
+
+    >>> round(fit([(2.0, 1000), (4.0, 11000)], 21000, None), 2)  # 0.2 ms a row
+    6.0
+    >>> round(fit([(1.5, 1000), (1.6, 1000)], 101000, 2e-5), 2)  # the newest, the prior slope
+    3.5
+    >>> fit([(1.5, 1000)], 10, 2e-5), fit([(1.5, 1000)], 10, None)
+    (1.5, None)
+    """
+    sizes = [c for _, c in points]
+    floor = min(sec for sec, _ in points)
+    if max(sizes) >= 2 * max(min(sizes), 1):
+        mx, my = sum(sizes) / len(points), sum(sec for sec, _ in points) / len(points)
+        b = max(0.0, sum((c - mx) * (sec - my) for sec, c in points) / sum((c - mx) ** 2 for c in sizes))
+        return max(floor, my + b * (now - mx))
+    if slope is None:
+        return None
+    return max(floor, points[0][0] + slope * (now - points[0][1]))
+
+
 def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = None,
-              total: Optional[int] = None) -> dict:
+              total: Optional[int] = None, rows: Optional[int] = None) -> dict:
     """Seconds each strategy is estimated to take, with the basis of each:
     ``{strategy: (seconds, basis)}``. From the state's own history (``costs``:
-    watermark.measured_costs): INCREMENTAL the newest incremental refresh grown
-    with the changed rows (or INCREMENTAL_PRIOR_S before one was measured);
-    PARTITION the newest partition refresh grown with the partitions replaced,
-    else a share of the newest rebuild (FIXED_SHARE, ``replaced`` of ``total``);
-    FULL the newest rebuild. A strategy without a basis has no estimate.
+    watermark.measured_costs): INCREMENTAL a line through the incremental
+    refreshes measured (fit; before two change sizes were, through the newest
+    with a slope of ROW_COST_FACTOR rebuilt source rows per changed row, where
+    the newest rebuild and the changed sources' ``rows`` are known; else the
+    newest grown with half of it fixed; INCREMENTAL_PRIOR_S before one was
+    measured); PARTITION likewise a line through the partition refreshes
+    measured (or the newest grown with half of it fixed), else a share of the
+    newest rebuild (FIXED_SHARE, ``replaced`` of ``total``); FULL the newest
+    rebuild. A strategy without a basis has no estimate.
 
     >>> est = estimates({"full": 10.0, "incremental": (3.0, 1000)}, 4000, replaced=1, total=30)
     >>> {k: round(v[0], 2) for k, v in est.items()}
@@ -138,18 +176,21 @@ def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = Non
     4.0
     """
     out: dict = {}
+    full = costs.get("full")
     if changes is not None:
         if costs.get("incremental"):
             seconds, before = costs["incremental"]
-            out[INCREMENTAL] = (_scaled(seconds, before, changes),
+            slope = ROW_COST_FACTOR * full / rows if full is not None and rows else None
+            fitted = fit(costs.get("incremental_points") or [costs["incremental"]], changes, slope)
+            out[INCREMENTAL] = (fitted if fitted is not None else _scaled(seconds, before, changes),
                                 f"the last incremental refresh took {seconds:.1f}s for {before} changed rows")
         else:
             out[INCREMENTAL] = (INCREMENTAL_PRIOR_S, "no incremental refresh measured yet")
-    full = costs.get("full")
     if replaced is not None:
         if costs.get("partition"):
             seconds, before = costs["partition"]
-            out[PARTITION] = (_scaled(seconds, before, replaced),
+            fitted = fit(costs.get("partition_points") or [costs["partition"]], replaced, None)
+            out[PARTITION] = (fitted if fitted is not None else _scaled(seconds, before, replaced),
                               f"the last partition refresh took {seconds:.1f}s for {before} partitions")
         elif full is not None and total:
             share = FIXED_SHARE + (1 - FIXED_SHARE) * min(replaced, total) / total
@@ -161,8 +202,8 @@ def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = Non
 
 def partition_floor(costs: dict, replaced: int) -> Optional[float]:
     """The least a partition refresh of ``replaced`` partitions is estimated
-    at without counting the state's partitions: its own measured cost grown
-    with the partitions, else FIXED_SHARE of the newest rebuild; None without
+    at without counting the state's partitions: its estimate from measured
+    partition refreshes, else FIXED_SHARE of the newest rebuild; None without
     a basis. An incremental estimate below it settles the cost rule without
     that count (a Spark job over the state's file list on every refresh).
 
@@ -170,8 +211,7 @@ def partition_floor(costs: dict, replaced: int) -> Optional[float]:
     (4.0, 4.0, None)
     """
     if costs.get("partition"):
-        seconds, before = costs["partition"]
-        return _scaled(seconds, before, replaced)
+        return estimates(costs, None, replaced)[PARTITION][0]
     return None if costs.get("full") is None else costs["full"] * FIXED_SHARE
 
 

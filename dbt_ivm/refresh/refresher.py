@@ -105,6 +105,7 @@ class Refresher:
         self.full_refresh = full_refresh
         self.run_id = uuid.uuid4().hex
         self.sized = False  # _change_sizes ran: self.source_rows holds the new versions' counts
+        self.source_total: Optional[int] = None  # ... and the changed sources' rows now, where all are known
         self.recomputed = 0  # MIN/MAX groups this refresh recomputes (recorded in the watermark)
         self.started: Optional[float] = None
         self.view_key = ""  # digest of the model's view statement once this refresh is done (Watermark.view)
@@ -279,7 +280,8 @@ class Refresher:
         if PARTITION in candidates and decision.strategy == INCREMENTAL:
             # Estimated dearer than INCREMENTAL whatever the state's partition
             # count: not a candidate, and the partitions are not counted.
-            inc, floor = estimates(costs, changes).get(INCREMENTAL), partition_floor(costs, len(part.values))
+            inc = estimates(costs, changes, rows=self.source_total).get(INCREMENTAL)
+            floor = partition_floor(costs, len(part.values))
             if inc is not None and floor is not None and inc[0] < floor:
                 candidates.remove(PARTITION)
                 passed = None
@@ -292,7 +294,7 @@ class Refresher:
             replaced = len(part.values)
             if not costs.get("partition") and costs.get("full") is not None:
                 total = self.partition_total()
-        est = estimates(costs, changes, replaced, total)
+        est = estimates(costs, changes, replaced, total, self.source_total)
         best, why = cheapest(candidates, est, costs)
         if best == decision.strategy:
             return decision, est
@@ -518,6 +520,8 @@ class Refresher:
                 sizes[n][1] = int(value)
                 self.source_rows[big[n][2].physical] = int(value)
         self.sized = True
+        totals = [t if t is not None else derived.get(n) for n, (_, t, _) in sizes.items()]
+        self.source_total = sum(totals) if totals and None not in totals else None
         return {n: (c, t) for n, (c, t, _) in sizes.items()}
 
     def my_commit(self) -> Optional[tuple]:

@@ -146,9 +146,11 @@ def measured_costs(history: list[tuple]) -> dict:
     commits (DESCRIBE HISTORY rows, newest first) cost: the time from the
     refresh's start (its watermark's ``started``) to its commit. ``full``:
     seconds; ``incremental``: (seconds, changed rows applied); ``partition``:
-    (seconds, partitions replaced); ``rebuilt``: the refreshes the cost rule
-    turned away from INCREMENTAL (decide.COST_REASONS) newer than that
-    incremental one.
+    (seconds, partitions replaced); ``incremental_points`` and
+    ``partition_points``: every such measurement among these commits, newest
+    first (decide.fit draws a line through them); ``rebuilt``: the refreshes
+    the cost rule turned away from INCREMENTAL (decide.COST_REASONS) newer
+    than that incremental one.
 
     >>> import datetime as d
     >>> t0 = d.datetime(2026, 1, 1, 12, 0, 0)
@@ -157,7 +159,7 @@ def measured_costs(history: list[tuple]) -> dict:
     >>> rows = [(2, t0 + d.timedelta(seconds=4), *[None] * 11, wm("INCREMENTAL", 50)),
     ...         (1, t0 + d.timedelta(seconds=3), *[None] * 11, wm("FULL"))]
     >>> measured_costs(rows)
-    {'rebuilt': 0, 'incremental': (4.0, 50), 'full': 3.0}
+    {'rebuilt': 0, 'incremental': (4.0, 50), 'incremental_points': [(4.0, 50)], 'full': 3.0}
     """
     out: dict = {"rebuilt": 0}
     for row in history:
@@ -170,10 +172,12 @@ def measured_costs(history: list[tuple]) -> dict:
         seconds = round(end - wm.started, 3)
         if wm.strategy in (CREATE, FULL) and "full" not in out:
             out["full"] = seconds
-        elif wm.strategy == INCREMENTAL and "incremental" not in out:
-            out["incremental"] = (seconds, int(wm.changes or 0))
-        elif wm.strategy == PARTITION and "partition" not in out and wm.replaced:
-            out["partition"] = (seconds, int(wm.replaced))
+        elif wm.strategy == INCREMENTAL:
+            out.setdefault("incremental", (seconds, int(wm.changes or 0)))
+            out.setdefault("incremental_points", []).append((seconds, int(wm.changes or 0)))
+        elif wm.strategy == PARTITION and wm.replaced:
+            out.setdefault("partition", (seconds, int(wm.replaced)))
+            out.setdefault("partition_points", []).append((seconds, int(wm.replaced)))
     return out
 
 

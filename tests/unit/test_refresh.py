@@ -364,10 +364,10 @@ def test_cost_rule_values():
         validate_config({"ivm_cost_rule": "never"}, model="m")
 
 
-def _choice(costs, changes, candidates=("INCREMENTAL", "FULL"), replaced=None, total=None):
+def _choice(costs, changes, candidates=("INCREMENTAL", "FULL"), replaced=None, total=None, rows=None):
     from dbt_ivm.refresh.decide import cheapest, estimates
 
-    return cheapest(list(candidates), estimates(costs, changes, replaced, total), costs)
+    return cheapest(list(candidates), estimates(costs, changes, replaced, total, rows), costs)
 
 
 def test_cost_rule_estimates():
@@ -407,6 +407,29 @@ def test_cost_rule_weighs_the_partition_strategy():
     assert _choice({"full": 10.0}, None, ("PARTITION", "FULL"), replaced=2, total=4)[0] == "PARTITION"
     assert _choice({"full": 1.0}, None, ("PARTITION", "FULL"), replaced=2, total=4)[0] == "PARTITION"  # 0.7 s
     assert _choice({"full": 1.0, "partition": (3.0, 2)}, None, ("PARTITION", "FULL"), replaced=2)[0] == "FULL"
+
+
+def test_cost_rule_grows_incremental_costs_along_a_line():
+    """Ten times the changed rows did not cost ten times as much (10 M rows,
+    an aggregate: 1.6 s for 1 k rows, 2.0 s for 100 k): an incremental
+    estimate grows along a line through the refreshes measured, or, with one
+    change size measured, by ROW_COST_FACTOR rebuilt rows per changed row."""
+    from dbt_ivm.refresh.decide import ROW_COST_FACTOR, estimates
+
+    chain = ("INCREMENTAL", "PARTITION", "FULL")
+    costs = {"full": 7.6, "incremental": (1.8, 1005), "incremental_points": [(1.8, 1005), (1.6, 990)]}
+    est = estimates(costs, 10_093, replaced=1, total=100, rows=10_000_000)
+    assert round(est["INCREMENTAL"][0], 2) == round(1.8 + ROW_COST_FACTOR * 7.6 / 1e7 * 9088, 2) == 1.83
+    assert _choice(costs, 10_093, chain, replaced=1, total=100, rows=10_000_000) == ("INCREMENTAL", None)
+    # without the source's rows: half of the last cost fixed, the rest grown (18.1 s)
+    assert _choice(costs, 10_093, chain, replaced=1, total=100)[0] == "PARTITION"
+    # two change sizes measured: their line (here 0.1 ms a row), whatever the rows
+    costs["incremental_points"] = [(2.0, 1000), (3.0, 11_000)]
+    assert round(estimates(costs, 61_000, rows=10_000_000)["INCREMENTAL"][0], 2) == 8.0
+    assert _choice(costs, 61_000, rows=10_000_000)[0] == "FULL"
+    # partitions likewise: 1.0 s for one, 1.2 s for three
+    costs = {"full": 7.6, "partition": (1.2, 3), "partition_points": [(1.2, 3), (1.0, 1)]}
+    assert round(estimates(costs, None, replaced=10)["PARTITION"][0], 2) == 1.9
 
 
 def test_cost_rule_counts_partitions_only_when_partition_may_win(monkeypatch):
