@@ -336,6 +336,8 @@ def _render_keyed(node: Keyed, relations: list[exp.Query], weight: int = 1) -> e
     each of its rows weighing ``weight``."""
     select = node.select.copy()
     slots = [select.args["from_"]] + list(select.args.get("joins") or [])
+    if node.windowed:  # its item is read in the SELECT of its windows (plan._nest_windows)
+        slots = [select.args["from_"].this.this.args["from_"]]
     for slot, (alias, _), rel in zip(slots, node.items, relations):
         slot.set("this", exp.Subquery(this=rel, alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True))))
     select.append("expressions", exp.alias_(exp.Literal.number(weight), W, quoted=True))

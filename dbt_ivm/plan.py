@@ -82,6 +82,7 @@ class Keyed:
     select: exp.Select
     items: list[tuple[str, "Node"]]
     keys: list[list[exp.Expression]]
+    windowed: bool = False  # ``select`` reads its item in a nested SELECT of its windows (_nest_windows)
 
 
 Node = Union[Scan, Block, UnionAll, Keyed]
@@ -696,6 +697,8 @@ def _split_operator(query: exp.Select, catalog: Catalog, ctes: dict) -> Node:
             raise UnsupportedQuery([Reason(
                 "UNSUPPORTED_WINDOW", "a window without PARTITION BY (or windows partitioned by different keys) "
                 "depends on every row", "the model is refreshed by full rebuilds", position(windows[0]))])
+        _nest_windows(op, windows, x_alias)
+        return Keyed(select=op, items=[(x_alias, _node(x, catalog, ctes))], keys=[keys], windowed=True)
     return Keyed(select=op, items=[(x_alias, _node(x, catalog, ctes))], keys=[keys])
 
 
@@ -751,6 +754,31 @@ def _project_partition_keys(windows: list[exp.Window], cols: list[exp.Expression
                 p = exp.column(named[sql], table=x_alias, quoted=True)
             keys.append(p)
         w.set("partition_by", keys)
+
+
+def _nest_windows(op: exp.Select, windows: list[exp.Window], x_alias: str) -> None:
+    """The windows of ``op`` computed in a SELECT of their own over X (every
+    column of X, then each window as ``__ivm_f<n>``), which ``op`` reads
+    under X's alias: ``op`` names the visible columns above the windows.
+    Spark computes a SELECT's renamed columns below its windows, so a filter
+    on a renamed PARTITION BY column (a partition refresh's ``WHERE d IN
+    (…)`` over ``__ivm_g.__ivm_j0 AS d``) names no partition key of the
+    Window and stays above it; over the nested SELECT it reaches the scan.
+
+    >>> op = sqlglot.parse_one("SELECT g.a AS d, row_number() OVER (PARTITION BY g.a ORDER BY g.b) AS rn FROM g",
+    ...                        read=DIALECT)
+    >>> _nest_windows(op, list(op.find_all(exp.Window)), "g")
+    >>> op.sql(DIALECT)
+    'SELECT g.a AS d, `g`.`__ivm_f0` AS rn FROM (SELECT `g`.*, ROW_NUMBER() OVER (PARTITION BY g.a ORDER BY g.b) AS `__ivm_f0` FROM `g`) AS `g`'
+    """
+    inner = exp.select(exp.Column(this=exp.Star(), table=exp.to_identifier(x_alias, quoted=True))).from_(
+        exp.Table(this=exp.to_identifier(x_alias, quoted=True)))
+    for i, w in enumerate(windows):
+        name = f"{PREFIX}f{i}"
+        inner.append("expressions", exp.alias_(w.copy(), name, quoted=True))
+        w.replace(exp.column(name, table=x_alias, quoted=True))
+    op.set("from_", exp.From(this=exp.Subquery(
+        this=inner, alias=exp.TableAlias(this=exp.to_identifier(x_alias, quoted=True)))))
 
 
 def _partition_keys(windows: list[exp.Window]) -> list[exp.Expression]:

@@ -12,8 +12,10 @@ partitions changed, and replace exactly those in one commit.
    inserted by predicate in one commit carrying the watermark (dynamic partition
    overwrite would leave a partition whose rows all vanished untouched). The
    filter on the model's column reaches the source scans through Spark's
-   predicate pushdown (projections, GROUP BY keys, window PARTITION BY keys,
-   equi-joins), so only those source partitions are read.
+   predicate pushdown (projections, GROUP BY keys, window PARTITION BY keys —
+   plan._nest_windows names a window's columns above it, and
+   _project_partition_keys computes its keys below it — equi-joins), so only
+   those source partitions are read (test_partition checks the scans).
 """
 
 from __future__ import annotations
