@@ -401,6 +401,12 @@ def test_cost_rule_weighs_the_partition_strategy():
     assert _choice(costs, 10, ("INCREMENTAL", "PARTITION", "FULL"), replaced=3) == ("INCREMENTAL", None)  # 4 s
     assert _choice(costs, 1000, chain, replaced=1)[0] == "PARTITION"  # incremental 16.5 s
     assert _choice(costs, 1000, chain, replaced=20)[0] == "FULL"  # partition 21 s
+    # an incremental refresh not measured yet is taken to measure it, not passed over for a
+    # partition refresh estimated from a share of the rebuild; a rebuild cheaper than its prior still wins
+    assert _choice({"full": 3.0}, 100, chain, replaced=1, total=30) == ("INCREMENTAL", None)  # 1.3 s
+    assert _choice({"full": 1.5}, 100, chain, replaced=1, total=30)[0] == "FULL"
+    # ... and its prior grows with the change where the sources' rows are known
+    assert _choice({"full": 3.0}, 400_000, rows=1_000_000)[0] == "FULL"  # 2 s + 6 s
     # no partition count and no measured partition refresh: PARTITION is not weighed
     assert _choice({"full": 10.0, "incremental": (6.0, 100)}, 100, chain, replaced=1)[0] == "INCREMENTAL"
     # the chain's first step when the incremental one is blocked
