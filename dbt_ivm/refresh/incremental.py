@@ -129,12 +129,12 @@ def incremental_statements(r: "Refresher", plan: Plan, sources, watermark: Water
 def merge(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Result, window: Window,
            change: Optional[str], groups: Optional[str], recompute: int) -> None:
     merge = apply.merge_statement(plan, r.state, window, watermark.typed(), groups, change)
-    wm = r.watermark_for(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns,
-                         watermark.sums)
     if merge is None:
         return
     cache_pieces(r)
     r.set_properties(watermark)
+    wm = r.watermark_for(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns,
+                         watermark.sums)
     # Our MERGE source is small but expensive (deltas joined with snapshots):
     # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
     with r.commit(wm, watermark.commit_version, {"spark.databricks.delta.merge.materializeSource": "all"}):
@@ -171,6 +171,7 @@ def append_layer(r: "Refresher", plan: Plan, sources, watermark: Watermark, resu
         # The folding view first: it reads a state without layers the same
         # as the plain one, so the model is right whatever happens next.
         r.create_view(plan, plan.kind, plan.columns, types)
+        r.settled = True
     wm = r.watermark_for(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns,
                          watermark.sums)
     with r.commit(wm, watermark.commit_version):

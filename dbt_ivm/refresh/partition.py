@@ -124,9 +124,9 @@ def run(r: "Refresher", plan, sources: list[Source], watermark: Watermark, chang
     cond = where.sql(dialect=DIALECT)
     statement = (f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} "
                  f"SELECT * FROM ({body}) AS {ident(PREFIX + 'p')} WHERE {cond}")
+    r.set_properties(watermark)
     wm = r.watermark_for(plan, sources, watermark.signature, Decision(PARTITION, result.reason), watermark.columns,
                          watermark.sums)
-    r.set_properties(watermark)
     with r.commit(wm, watermark.commit_version):
         _failpoint("before_commit", r.relation)
         r.ex.query(statement)

@@ -108,6 +108,7 @@ class Refresher:
         self.source_total: Optional[int] = None  # ... and the changed sources' rows now, where all are known
         self.recomputed = 0  # MIN/MAX groups this refresh recomputes (recorded in the watermark)
         self.started: Optional[float] = None
+        self.settled = False  # this refresh changed the state's properties or layout (Watermark.settled)
         self.view_key = ""  # digest of the model's view statement once this refresh is done (Watermark.view)
         self.changes: Optional[int] = None  # changed source rows an incremental refresh applies
         self.replaced: Optional[int] = None  # partitions a partition refresh replaces
@@ -371,7 +372,7 @@ class Refresher:
             partition_by=list(self.partition_by),
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
             change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
-            recomputed=self.recomputed, layout=self.layout, started=self.started,
+            recomputed=self.recomputed, layout=self.layout, started=self.started, settled=self.settled,
             changes=self.changes if decision.strategy == INCREMENTAL else None, view=self.view_key,
             replaced=self.replaced if decision.strategy == PARTITION else None,
         )
@@ -473,6 +474,7 @@ class Refresher:
         }
         wanted = {k: v for k, v in self.state_properties().items() if had.get(k) != v}
         if wanted:
+            self.settled = True
             self.ex.query(f"ALTER TABLE {canonical(self.state)} SET TBLPROPERTIES ({_properties(wanted)})")
 
     def _change_sizes(self, sources, watermark: Watermark) -> dict:
