@@ -97,6 +97,12 @@ def too_large(sizes: dict, threshold: float) -> Optional[Reason]:
 # a one-off compaction) must not make every later refresh a rebuild.
 RETRY_AFTER = 3
 RETRY_WITHIN = 2.0
+# ... and only for a change of at most this many times the largest change
+# measured: a retry measures a refresh like the one measured, it does not
+# gamble on an extrapolation (measured at 1 M rows: a window's incremental
+# refresh took 3.6 s for 100 changed rows, 10.6 s for 10 k, 15.6 s for 50 k,
+# where replacing the changed days took 2–3 s).
+RETRY_GROWTH = 4.0
 
 
 # An incremental refresh's cost before one was measured: on a 2-core machine a
@@ -216,7 +222,16 @@ def partition_floor(costs: dict, replaced: int) -> Optional[float]:
     return None if costs.get("full") is None else costs["full"] * FIXED_SHARE
 
 
-def cheapest(candidates: list, est: dict, costs: dict) -> tuple[str, Optional[Reason]]:
+def _retry(costs: dict, changes: Optional[int]) -> bool:
+    """Whether INCREMENTAL, passed over for cost, is due to be measured anew
+    (RETRY_AFTER, RETRY_GROWTH)."""
+    if costs.get("rebuilt", 0) < RETRY_AFTER:
+        return False
+    sizes = [c for _, c in costs.get("incremental_points") or []]
+    return changes is None or not sizes or changes <= RETRY_GROWTH * max(max(sizes), 1)
+
+
+def cheapest(candidates: list, est: dict, costs: dict, changes: Optional[int] = None) -> tuple[str, Optional[Reason]]:
     """The strategy to take among ``candidates`` (in the chain's order; the
     last is FULL): the one estimated cheapest, compared only where both have
     an estimate; the first (the chain's choice) unless another is estimated
@@ -225,12 +240,14 @@ def cheapest(candidates: list, est: dict, costs: dict) -> tuple[str, Optional[Re
     for cost, INCREMENTAL is taken to measure it anew — if it is estimated
     within RETRY_WITHIN of the cheapest (a gap wider than any one-off slowness
     is not worth paying again; the measurement ages out of the 20 commits
-    read, and INCREMENTAL is tried again then). An INCREMENTAL not measured
-    yet (its estimate a prior) gives way to a rebuild only: it is taken once
-    to measure it rather than a partition refresh, whose estimate before its
-    own measurement is a share of the rebuild's (measured at 1 M rows: a
-    projection's first refreshes replaced partitions at 1.3 s, where its
-    incremental refresh took 0.7 s).
+    read, and INCREMENTAL is tried again then) and the change (``changes``
+    rows) is within RETRY_GROWTH of the largest measured. An INCREMENTAL not
+    measured yet (its estimate a prior) gives way to a rebuild only while no
+    partition refresh was measured either: it is taken once to measure it
+    rather than a partition refresh whose estimate is a share of the
+    rebuild's, a guess against a guess (measured at 1 M rows: a projection's
+    first refreshes replaced partitions at 1.3 s, where its incremental
+    refresh took 0.7 s).
 
     >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (2.0, "prior"), FULL: (1.5, "the last rebuild")}, {})[1].code
     'REBUILD_CHEAPER'
@@ -241,11 +258,14 @@ def cheapest(candidates: list, est: dict, costs: dict) -> tuple[str, Optional[Re
     ('INCREMENTAL', None)
     >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (1.0, "f")}, {"rebuilt": RETRY_AFTER})[0]
     'FULL'
+    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (3.0, "f")},
+    ...          {"rebuilt": RETRY_AFTER, "incremental_points": [(5.0, 100)]}, changes=10_000)[0]
+    'FULL'
     >>> cheapest([PARTITION, FULL], {PARTITION: (3.0, "p")}, {})  # no rebuild measured: no opinion
     ('PARTITION', None)
     """
     first = candidates[0]
-    if first == INCREMENTAL and not costs.get("incremental"):
+    if first == INCREMENTAL and not costs.get("incremental") and not costs.get("partition"):
         candidates = [c for c in candidates if c != PARTITION]
     known = [c for c in candidates if c in est]
     if first not in est or len(known) < 2:
@@ -253,7 +273,7 @@ def cheapest(candidates: list, est: dict, costs: dict) -> tuple[str, Optional[Re
     best = min(known, key=lambda c: (est[c][0], candidates.index(c)))
     if best == first:
         return first, None
-    if first == INCREMENTAL and costs.get("rebuilt", 0) >= RETRY_AFTER and est[first][0] <= RETRY_WITHIN * est[best][0]:
+    if first == INCREMENTAL and _retry(costs, changes) and est[first][0] <= RETRY_WITHIN * est[best][0]:
         return first, None
     code = "REBUILD_CHEAPER" if best == FULL else "PARTITION_CHEAPER"
     what = {INCREMENTAL: "applying the change row by row", PARTITION: "replacing the changed partitions",

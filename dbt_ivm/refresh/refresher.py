@@ -296,7 +296,7 @@ class Refresher:
             if not costs.get("partition") and costs.get("full") is not None:
                 total = self.partition_total()
         est = estimates(costs, changes, replaced, total, self.source_total)
-        best, why = cheapest(candidates, est, costs)
+        best, why = cheapest(candidates, est, costs, changes)
         if best == decision.strategy:
             return decision, est
         skipped = decision.skipped + ((decision.strategy, why),)

@@ -75,7 +75,7 @@ def test_cost_rule_follows_the_measured_costs(project):
         _, wm = read_watermark(ex, f"{OUT}.m__ivm_state")
         assert wm.started is not None and "full" in wm.costs and wm.costs["full"] > 0, wm.costs
         sql(f"update {SRC}.t set v = v + 1 where v % 50 = {step}")  # 4 rows
-        _, expected = cheapest(["INCREMENTAL", "FULL"], estimates(wm.costs, 4), wm.costs)
+        _, expected = cheapest(["INCREMENTAL", "FULL"], estimates(wm.costs, 4), wm.costs, 4)
         out = project.dbt("run")
         assert out.success, out.exception
         response = out.response("m")

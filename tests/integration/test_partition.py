@@ -238,7 +238,7 @@ def test_the_cost_rule_weighs_the_partition_strategy_and_records_its_estimates(p
         total = None if wm.costs.get("partition") else DAYS
         sql(f"insert into {SRC}.evf values (date_add(date'2024-01-01', {step}), 1, {step})")
         est = estimates(wm.costs, 1, replaced=1, total=total)
-        expected, why = cheapest(["INCREMENTAL", "PARTITION", "FULL"], est, wm.costs)
+        expected, why = cheapest(["INCREMENTAL", "PARTITION", "FULL"], est, wm.costs, 1)
         response = _run(project, "costed").response("costed")
         assert response["code"] == expected, (response, est, wm.costs)
         assert response.get("reason") == (why.code if why else None), response
