@@ -403,7 +403,7 @@ def test_cost_rule_weighs_the_partition_strategy():
     assert _choice(costs, 1000, chain, replaced=20)[0] == "FULL"  # partition 21 s
     # an incremental refresh not measured yet is taken to measure it, not passed over for a
     # partition refresh estimated from a share of the rebuild; a rebuild cheaper than its prior still wins
-    assert _choice({"full": 3.0}, 100, chain, replaced=1, total=30) == ("INCREMENTAL", None)  # 1.3 s
+    assert _choice({"full": 3.0}, 100, chain, replaced=1, total=30) == ("INCREMENTAL", None)  # 1.1 s
     assert _choice({"full": 1.5}, 100, chain, replaced=1, total=30)[0] == "FULL"
     # ... and its prior grows with the change where the sources' rows are known
     assert _choice({"full": 3.0}, 400_000, rows=1_000_000)[0] == "FULL"  # 2 s + 6 s
@@ -411,7 +411,7 @@ def test_cost_rule_weighs_the_partition_strategy():
     assert _choice({"full": 10.0, "incremental": (6.0, 100)}, 100, chain, replaced=1)[0] == "INCREMENTAL"
     # the chain's first step when the incremental one is blocked
     assert _choice({"full": 10.0}, None, ("PARTITION", "FULL"), replaced=2, total=4)[0] == "PARTITION"
-    assert _choice({"full": 1.0}, None, ("PARTITION", "FULL"), replaced=2, total=4)[0] == "PARTITION"  # 0.7 s
+    assert _choice({"full": 1.0}, None, ("PARTITION", "FULL"), replaced=2, total=4)[0] == "PARTITION"  # 1.0 s, a tie
     assert _choice({"full": 1.0, "partition": (3.0, 2)}, None, ("PARTITION", "FULL"), replaced=2)[0] == "FULL"
 
 
@@ -426,9 +426,12 @@ def test_cost_rule_grows_incremental_costs_along_a_line():
     costs = {"full": 7.6, "incremental": (1.8, 1005), "incremental_points": [(1.8, 1005), (1.6, 990)]}
     est = estimates(costs, 10_093, replaced=1, total=100, rows=10_000_000)
     assert round(est["INCREMENTAL"][0], 2) == round(1.8 + ROW_COST_FACTOR * 7.6 / 1e7 * 9088, 2) == 1.83
-    assert _choice(costs, 10_093, chain, replaced=1, total=100, rows=10_000_000) == ("INCREMENTAL", None)
+    assert _choice(costs, 10_093, rows=10_000_000) == ("INCREMENTAL", None)
     # without the source's rows: half of the last cost fixed, the rest grown (18.1 s)
-    assert _choice(costs, 10_093, chain, replaced=1, total=100)[0] == "PARTITION"
+    assert _choice(costs, 10_093)[0] == "FULL"
+    # a partition refresh not measured yet: a second of the rebuild fixed, the rest by partitions
+    assert round(est["PARTITION"][0], 3) == round(1.0 + 6.6 / 100, 3)
+    assert _choice(costs, 10_093, chain, replaced=1, total=100, rows=10_000_000)[0] == "PARTITION"
     # two change sizes measured: their line (here 0.1 ms a row), whatever the rows
     costs["incremental_points"] = [(2.0, 1000), (3.0, 11_000)]
     assert round(estimates(costs, 61_000, rows=10_000_000)["INCREMENTAL"][0], 2) == 8.0
@@ -477,10 +480,10 @@ def test_cost_rule_counts_partitions_only_when_partition_may_win(monkeypatch):
         counted.clear()
         return r._cheapest(Decision("INCREMENTAL"), part, SimpleNamespace(costs=costs))
 
-    decision, est = choose({"full": 15.8, "incremental": (0.7, 1000)})  # 0.7 s < 40 % of 15.8 s
+    decision, est = choose({"full": 15.8, "incremental": (0.7, 1000)})  # 0.7 s < FIXED_S
     assert decision.strategy == "INCREMENTAL" and not counted and set(est) == {"INCREMENTAL", "FULL"}
-    decision, est = choose({"full": 3.0, "incremental": (2.0, 1000)})  # 3.0 × (0.4 + 0.6 / 100) = 1.2 s
-    assert counted and decision.strategy == "PARTITION" and round(est["PARTITION"][0], 2) == 1.22
+    decision, est = choose({"full": 3.0, "incremental": (2.0, 1000)})  # 1.0 + 2.0 / 100 = 1.02 s
+    assert counted and decision.strategy == "PARTITION" and round(est["PARTITION"][0], 2) == 1.02
     decision, _ = choose({"full": 3.0, "incremental": (5.0, 1000), "partition": (6.0, 1)})
     assert not counted and decision.strategy == "FULL"
     assert [(s, why.code) for s, why in decision.skipped] == [("INCREMENTAL", "REBUILD_CHEAPER"),
