@@ -432,10 +432,14 @@ def test_cost_rule_grows_incremental_costs_along_a_line():
     # a partition refresh not measured yet: a second of the rebuild fixed, the rest by partitions
     assert round(est["PARTITION"][0], 3) == round(1.0 + 6.6 / 100, 3)
     assert _choice(costs, 10_093, chain, replaced=1, total=100, rows=10_000_000)[0] == "PARTITION"
-    # two change sizes measured: their line (here 0.1 ms a row), whatever the rows
-    costs["incremental_points"] = [(2.0, 1000), (3.0, 11_000)]
-    assert round(estimates(costs, 61_000, rows=10_000_000)["INCREMENTAL"][0], 2) == 8.0
+    # two change sizes measured, rising beyond the noise: their line (here 0.3 ms a row), whatever the rows
+    costs["incremental_points"] = [(2.0, 1000), (5.0, 11_000)]
+    assert round(estimates(costs, 61_000, rows=10_000_000)["INCREMENTAL"][0], 2) == 20.0
     assert _choice(costs, 61_000, rows=10_000_000)[0] == "FULL"
+    # ... rising within it (1 s on 2–3 s, each ±15 %): the prior slope through their mean
+    costs["incremental_points"] = [(2.0, 1000), (3.0, 11_000)]
+    assert round(estimates(costs, 61_000, rows=10_000_000)["INCREMENTAL"][0], 2) == round(
+        2.5 + ROW_COST_FACTOR * 7.6 / 1e7 * 55_000, 2)
     # partitions likewise: 1.0 s for one, 1.2 s for three
     costs = {"full": 7.6, "partition": (1.2, 3), "partition_points": [(1.2, 3), (1.0, 1)]}
     assert round(estimates(costs, None, replaced=10)["PARTITION"][0], 2) == 1.9
