@@ -40,6 +40,8 @@ def load(paths):
     cells, meta, problems = [], [], []
     for p in paths:
         data = json.loads(Path(p).read_text())
+        if "cells" not in data:  # another benchmark's results (bench/partition.py: --summary)
+            continue
         cells += data["cells"]
         problems += data.get("problems", [])
         meta.append(f"`{data['command']}` ({data['date']}, {data['seconds']:.0f} s; {data['machine']})")
