@@ -59,6 +59,15 @@ BAG_APPEND_AUTO_BYTES = 16 << 20
 DV_AUTO_BYTES = 2 << 20
 
 
+# The state's partition count (the cost rule's and the partition threshold's
+# denominator) is carried in the watermark and counted anew after this many
+# refreshes: a count is a Spark job over the state's file list, 0.1–0.25 s of
+# a 1–2 s refresh measured at 1 M rows (BENCHMARKS.md, twenty-second session),
+# and a count some refreshes old moves an estimate by a partition or two in
+# tens.
+RECOUNT_AFTER = 10
+
+
 # Changes up to this many rows are broadcast into joins (see delta.Window.broadcast).
 BROADCAST_ROWS = 500_000
 
@@ -112,7 +121,8 @@ class Refresher:
         self.view_key = ""  # digest of the model's view statement once this refresh is done (Watermark.view)
         self.changes: Optional[int] = None  # changed source rows an incremental refresh applies
         self.replaced: Optional[int] = None  # partitions a partition refresh replaces
-        self._partitions_before: Optional[tuple] = None  # (count,) once partition_total counted them
+        self._partitions_before: Optional[tuple] = None  # (count, age) once partition_total knows them
+        self._carried: Optional[tuple] = None  # (count, age) the watermark carries (Watermark.partitions)
         # The state's own change feed costs every write ~30 %; it is kept only for
         # readers of it: incremental_mv models built on this one.
         feed = self.config["ivm_change_feed"]
@@ -141,6 +151,8 @@ class Refresher:
         self.phases["facts"] = round(time.time() - start, 3)
         # Row counts the watermark recorded (see _change_sizes); carried forward.
         self.source_rows = {canonical(s["physical"]): s.get("rows") for s in (watermark.sources if watermark else [])}
+        if watermark is not None and watermark.signature == sig and watermark.partitions is not None:
+            self._carried = (watermark.partitions, watermark.partitions_age)
         part = self._partition_option(sources, watermark, sig, state_exists)
         decision = decide(
             policy=self.config["ivm_policy"], full_refresh=self.full_refresh,
@@ -329,10 +341,23 @@ class Refresher:
         return None
 
     def partition_total(self) -> Optional[int]:
-        """How many partitions the state holds before this refresh writes (counted once)."""
+        """How many partitions the state holds before this refresh writes: the
+        count its watermark carries, counted anew (once) when none is or it is
+        RECOUNT_AFTER refreshes old."""
         if self._partitions_before is None:
-            self._partitions_before = (partition.count_partitions(self),)
+            carried = self._carried
+            if carried is not None and carried[1] < RECOUNT_AFTER:
+                self._partitions_before = (carried[0], carried[1] + 1)
+            else:
+                self._partitions_before = (partition.count_partitions(self), 0)
         return self._partitions_before[0]
+
+    def _partitions_known(self) -> tuple:
+        """(count, age) for the watermark this refresh writes (Watermark.partitions)."""
+        known = self._partitions_before
+        if known is None and self._carried is not None:
+            known = (self._carried[0], self._carried[1] + 1)
+        return known if known is not None and known[0] is not None else (None, 0)
 
     def _allowed(self, decision: Decision, cause: Optional[BaseException] = None) -> None:
         """Under ivm_policy 'incremental' or 'partition' a fallback to FULL is an
@@ -375,6 +400,7 @@ class Refresher:
             recomputed=self.recomputed, layout=self.layout, started=self.started, settled=self.settled,
             changes=self.changes if decision.strategy == INCREMENTAL else None, view=self.view_key,
             replaced=self.replaced if decision.strategy == PARTITION else None,
+            partitions=self._partitions_known()[0], partitions_age=self._partitions_known()[1],
         )
 
     def view_statement(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> str:

@@ -60,7 +60,8 @@ class Watermark:
     costs: dict = field(default_factory=dict)  # ... and measured_costs of its recent commits
     sums: dict = field(default_factory=dict)  # AVG sum state column -> Spark's sum type (apply.avg_sum_types)
     partition_by: list = field(default_factory=list)  # the state's partition columns (the model's partition_by)
-    partitions: Optional[int] = None  # ... and how many partitions it held after its last whole or partition write
+    partitions: Optional[int] = None  # the state's partitions when last counted (carried: Refresher.partition_total)
+    partitions_age: int = 0  # ... that many refreshes before this one
     settled: bool = False  # its refresh first changed the state's properties or layout (one-off work: see measured_costs)
 
     def typed(self) -> dict:

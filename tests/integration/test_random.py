@@ -60,7 +60,7 @@ from tests.harness import DbtProject, bag_diff, check_model, sql
 
 pytestmark = pytest.mark.spark
 
-ROUNDS = int(os.environ.get("DBT_IVM_RANDOM_ROUNDS", "18"))
+ROUNDS = int(os.environ.get("DBT_IVM_RANDOM_ROUNDS", "12"))
 SEED = int(os.environ.get("DBT_IVM_RANDOM_SEED", "20261121"))
 SHRINK_SECONDS = float(os.environ.get("DBT_IVM_RANDOM_SHRINK_SECONDS", "600"))
 

@@ -494,6 +494,30 @@ def test_cost_rule_counts_partitions_only_when_partition_may_win(monkeypatch):
                                                               ("PARTITION", "REBUILD_CHEAPER")]
 
 
+def test_partition_count_is_carried_and_recounted(monkeypatch):
+    """The state's partitions are counted once, carried in the watermarks that
+    follow and counted anew after RECOUNT_AFTER refreshes."""
+    from dbt_ivm.refresh import partition
+    from dbt_ivm.refresh.decide import Decision
+    from dbt_ivm.refresh.refresher import RECOUNT_AFTER, Refresher
+
+    counts = []
+    monkeypatch.setattr(partition, "count_partitions", lambda r: counts.append(1) or 30 + len(counts))
+    carried, seen = None, []
+    for _ in range(2 * RECOUNT_AFTER + 3):
+        r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"]}, False)
+        r._carried = carried
+        seen.append(r.partition_total())
+        out = r.watermark_for(None, [], "sig", Decision("INCREMENTAL"), {}, {})
+        carried = (out.partitions, out.partitions_age)
+    assert len(counts) == 3 and seen == [31] * (RECOUNT_AFTER + 1) + [32] * (RECOUNT_AFTER + 1) + [33]
+    # a refresh that does not ask still carries it, one refresh older
+    r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"]}, False)
+    r._carried = (40, 2)
+    out = r.watermark_for(None, [], "sig", Decision("INCREMENTAL"), {}, {})
+    assert (out.partitions, out.partitions_age) == (40, 3) and len(counts) == 3
+
+
 def _plan(sql):
     from dbt_ivm.catalog import Catalog
     from dbt_ivm.plan import build_plan
