@@ -5,7 +5,7 @@ of several sizes, each spread over a number of the source's partitions (70 %
 inserts, 20 % deletes, 10 % updates of those days' rows), refreshed and timed
 from dbt's own per-model timings, every result checked against the table.
 
-    ./run bench-partition                         # 1M rows over 30 days, 3 rounds per change
+    ./run bench-partition                         # 1M rows over 30 days, 5 rounds per change
     ./run bench-partition --rows 10m --days 100
     ./run bench-partition --changes 0.001:1,0.1:30
 
@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--days", type=int, default=30)
     p.add_argument("--changes", default="0.0001:1,0.001:1,0.01:3,0.05:10,0.2:30",
                    help="comma-separated fraction:days — that fraction of all rows changed, in that many days")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--name", default="partition")
     p.add_argument("--driver-memory", default="8g")
     a = p.parse_args()

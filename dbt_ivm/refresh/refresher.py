@@ -64,7 +64,8 @@ DV_AUTO_BYTES = 2 << 20
 # refreshes: a count is a Spark job over the state's file list, 0.1–0.25 s of
 # a 1–2 s refresh measured at 1 M rows (BENCHMARKS.md, twenty-second session),
 # and a count some refreshes old moves an estimate by a partition or two in
-# tens.
+# tens. A rebuild the partition threshold would decide on a carried count is
+# decided on a fresh one (a state growing by a partition a day).
 RECOUNT_AFTER = 10
 
 
@@ -332,18 +333,24 @@ class Refresher:
         one partition: no count needed)."""
         if self.config["ivm_policy"] != "auto" or len(part.values) < 2:
             return None
+        limit = self.config["ivm_partition_threshold"]
         total = self.partition_total()
-        if total and len(part.values) > self.config["ivm_partition_threshold"] * total:
+        if total and len(part.values) > limit * total and self._partitions_before[1] > 0:
+            total = self.partition_total(fresh=True)  # a rebuild is decided on a fresh count, not a carried one
+        if total and len(part.values) > limit * total:
             return Reason("PARTITIONS_TOO_MANY",
                           f"the change touches {len(part.values)} of the model's {total} partitions, more than "
                           f"ivm_partition_threshold {self.config['ivm_partition_threshold']:g}",
                           "a rebuild is cheaper; raise ivm_partition_threshold to replace partitions anyway")
         return None
 
-    def partition_total(self) -> Optional[int]:
+    def partition_total(self, fresh: bool = False) -> Optional[int]:
         """How many partitions the state holds before this refresh writes: the
-        count its watermark carries, counted anew (once) when none is or it is
-        RECOUNT_AFTER refreshes old."""
+        count its watermark carries, counted anew (once) when none is, when it
+        is RECOUNT_AFTER refreshes old or when ``fresh`` is asked for."""
+        if fresh and self._partitions_before is not None and self._partitions_before[1] > 0:
+            self._partitions_before = None
+            self._carried = None
         if self._partitions_before is None:
             carried = self._carried
             if carried is not None and carried[1] < RECOUNT_AFTER:

@@ -496,7 +496,10 @@ def test_cost_rule_counts_partitions_only_when_partition_may_win(monkeypatch):
 
 def test_partition_count_is_carried_and_recounted(monkeypatch):
     """The state's partitions are counted once, carried in the watermarks that
-    follow and counted anew after RECOUNT_AFTER refreshes."""
+    follow and counted anew after RECOUNT_AFTER refreshes — or before the
+    partition threshold rebuilds on a carried count."""
+    from types import SimpleNamespace
+
     from dbt_ivm.refresh import partition
     from dbt_ivm.refresh.decide import Decision
     from dbt_ivm.refresh.refresher import RECOUNT_AFTER, Refresher
@@ -516,6 +519,15 @@ def test_partition_count_is_carried_and_recounted(monkeypatch):
     r._carried = (40, 2)
     out = r.watermark_for(None, [], "sig", Decision("INCREMENTAL"), {}, {})
     assert (out.partitions, out.partitions_age) == (40, 3) and len(counts) == 3
+    # a carried count that would make the threshold rule rebuild is counted anew first
+    r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"], "ivm_policy": "auto"}, False)
+    r._carried = (2, 3)  # the state had 2 partitions three refreshes ago; 34 now
+    days = SimpleNamespace(values=[("2024-01-01",), ("2024-01-02",)])
+    assert r._too_many_partitions(days) is None and len(counts) == 4
+    r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"], "ivm_policy": "auto"}, False)
+    r._carried = (40, 3)
+    assert r._too_many_partitions(SimpleNamespace(values=[(str(i),) for i in range(30)])).code == \
+        "PARTITIONS_TOO_MANY" and len(counts) == 5  # 30 of 40: counted anew (35), still too many
 
 
 def _plan(sql):
