@@ -123,6 +123,7 @@ class Refresher:
         self.changes: Optional[int] = None  # changed source rows an incremental refresh applies
         self.replaced: Optional[int] = None  # partitions a partition refresh replaces
         self._partitions_before: Optional[tuple] = None  # (count, age) once partition_total knows them
+        self.rebuild_seconds: Optional[float] = None  # the newest rebuild's measured cost (Watermark.rebuild_seconds)
         self._carried: Optional[tuple] = None  # (count, age) the watermark carries (Watermark.partitions)
         # The state's own change feed costs every write ~30 %; it is kept only for
         # readers of it: incremental_mv models built on this one.
@@ -152,6 +153,8 @@ class Refresher:
         self.phases["facts"] = round(time.time() - start, 3)
         # Row counts the watermark recorded (see _change_sizes); carried forward.
         self.source_rows = {canonical(s["physical"]): s.get("rows") for s in (watermark.sources if watermark else [])}
+        # The newest rebuild's cost, carried: it must not age out of the commits read.
+        self.rebuild_seconds = watermark.costs.get("full") if watermark is not None else None
         if watermark is not None and watermark.signature == sig and watermark.partitions is not None:
             self._carried = (watermark.partitions, watermark.partitions_age)
         part = self._partition_option(sources, watermark, sig, state_exists)
@@ -405,6 +408,7 @@ class Refresher:
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
             change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
             recomputed=self.recomputed, layout=self.layout, started=self.started, settled=self.settled,
+            rebuild_seconds=self.rebuild_seconds,
             changes=self.changes if decision.strategy == INCREMENTAL else None, view=self.view_key,
             replaced=self.replaced if decision.strategy == PARTITION else None,
             partitions=self._partitions_known()[0], partitions_age=self._partitions_known()[1],

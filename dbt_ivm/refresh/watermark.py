@@ -62,6 +62,7 @@ class Watermark:
     partition_by: list = field(default_factory=list)  # the state's partition columns (the model's partition_by)
     partitions: Optional[int] = None  # the state's partitions when last counted (carried: Refresher.partition_total)
     partitions_age: int = 0  # ... that many refreshes before this one
+    rebuild_seconds: Optional[float] = None  # the newest rebuild's cost when its refresh started (carried: measured_costs)
     settled: bool = False  # its refresh first changed the state's properties or layout (one-off work: see measured_costs)
 
     def typed(self) -> dict:
@@ -147,7 +148,10 @@ def measured_costs(history: list[tuple]) -> dict:
     """What the newest rebuild and the newest incremental refresh among these
     commits (DESCRIBE HISTORY rows, newest first) cost: the time from the
     refresh's start (its watermark's ``started``) to its commit. ``full``:
-    seconds; ``incremental``: (seconds, changed rows applied); ``partition``:
+    seconds (where no rebuild is among these commits, the cost the newest
+    watermark carries: a state replaced partition by partition for 20
+    refreshes lost its only rebuild from view, and with it the estimate every
+    other one is weighed against); ``incremental``: (seconds, changed rows applied); ``partition``:
     (seconds, partitions replaced); ``incremental_points`` and
     ``partition_points``: every such measurement among these commits, newest
     first (decide.fit draws a line through them); ``rebuilt``: the refreshes
@@ -170,10 +174,17 @@ def measured_costs(history: list[tuple]) -> dict:
     ...                      settled=True).to_json()
     >>> measured_costs([(3, t0 + d.timedelta(seconds=9), *[None] * 11, settling)] + rows)["incremental_points"]
     [(4.0, 50)]
+    >>> aged = Watermark("s", "bag", "q", {}, [], strategy="PARTITION", started=t0.timestamp(), replaced=1,
+    ...                  rebuild_seconds=3.5).to_json()  # the rebuild aged out of the commits read: carried
+    >>> measured_costs([(7, t0 + d.timedelta(seconds=2), *[None] * 11, aged)])
+    {'rebuilt': 0, 'partition': (2.0, 1), 'partition_points': [(2.0, 1)], 'full': 3.5}
     """
     out: dict = {"rebuilt": 0}
+    carried = None  # the newest watermark's rebuild_seconds
     for row in history:
         wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+        if carried is None and wm is not None:
+            carried = wm.rebuild_seconds
         if wm is not None and "incremental" not in out and wm.reason in COST_REASONS:
             out["rebuilt"] += 1
         end = _epoch(row[1])
@@ -190,6 +201,8 @@ def measured_costs(history: list[tuple]) -> dict:
         elif wm.strategy == PARTITION and wm.replaced:
             out.setdefault("partition", (seconds, int(wm.replaced)))
             out.setdefault("partition_points", []).append((seconds, int(wm.replaced)))
+    if "full" not in out and carried is not None:
+        out["full"] = carried
     return out
 
 

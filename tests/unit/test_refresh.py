@@ -530,6 +530,32 @@ def test_partition_count_is_carried_and_recounted(monkeypatch):
         "PARTITIONS_TOO_MANY" and len(counts) == 5  # 30 of 40: counted anew (35), still too many
 
 
+def test_the_newest_rebuild_cost_is_carried_past_the_commits_read():
+    """A state refreshed many times without a rebuild keeps the newest
+    rebuild's cost: each watermark carries what its refresh read, and the
+    cost rule still weighs a rebuild once the rebuild's commit is out of the
+    20 read (measured at 1 M rows: without it, a 20 % change of a window model
+    had no rebuild to weigh against and refreshed incrementally at 3x the
+    rebuild's cost)."""
+    import datetime as d
+
+    from dbt_ivm.refresh.decide import Decision, cheapest, estimates
+    from dbt_ivm.refresh.refresher import Refresher
+    from dbt_ivm.refresh.watermark import measured_costs
+
+    t0 = d.datetime(2026, 1, 1, 12, 0, 0)
+    r = Refresher(None, "select d from db.a", "s.m", {}, False)
+    r.started, r.rebuild_seconds, r.replaced = t0.timestamp(), 5.9, 3
+    wm = r.watermark_for(None, [], "sig", Decision("PARTITION"), {}, {})
+    history = [(40 - i, t0 + d.timedelta(seconds=1), *[None] * 11, wm.to_json()) for i in range(20)]
+    costs = measured_costs(history)
+    assert costs["full"] == 5.9
+    est = estimates(costs, 216_000, rows=1_000_000)
+    assert cheapest(["INCREMENTAL", "FULL"], {**est, "INCREMENTAL": (9.0, "m")}, costs)[0] == "FULL"
+    # without the carried cost there is nothing to weigh against
+    assert "full" not in measured_costs([(1, t0, *[None] * 11, wm.to_json().replace('"rebuild_seconds":5.9', '"x":1'))])
+
+
 def _plan(sql):
     from dbt_ivm.catalog import Catalog
     from dbt_ivm.plan import build_plan
