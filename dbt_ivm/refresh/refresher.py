@@ -517,8 +517,9 @@ class Refresher:
     def _change_sizes(self, sources, watermark: Watermark) -> dict:
         """(changed rows, rows now) of each changed source. The changed rows come
         from the window's commit metrics (metadata, no Spark job); only where those
-        do not say is the change feed counted. Rows now matter only for changes big
-        enough for the cost rule: the count the watermark recorded plus the
+        do not say is the change feed counted. Rows now matter for changes big
+        enough for ivm_full_threshold and, under the cost rule, for any change
+        (its slope per rebuilt row): the count the watermark recorded plus the
         window's net rows from the same metrics, else counted (from Delta's file
         statistics) and recorded for the next refresh (``self.source_rows``)."""
         old = watermark.versions()
@@ -546,7 +547,10 @@ class Refresher:
             row = self.ex.query("SELECT " + ", ".join(counts.values()))[0]
             for n, value in zip(counts, row):
                 sizes[n][0] = int(value)
-        big = {n: v for n, v in sizes.items() if v[0] > SMALL_CHANGE}
+        # The cost rule weighs a change of any size against the rows rebuilt
+        # (decide.ROW_COST_FACTOR): the rows are counted once, then carried.
+        weighed = self.config["ivm_policy"] == "auto" and self.config["ivm_cost_rule"] == "auto"
+        big = {n: v for n, v in sizes.items() if v[0] > SMALL_CHANGE or (weighed and v[0])}
         for n in list(big):
             if derived.get(n) is not None:
                 sizes[n][1] = derived[n]

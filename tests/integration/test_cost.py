@@ -75,7 +75,8 @@ def test_cost_rule_follows_the_measured_costs(project):
         _, wm = read_watermark(ex, f"{OUT}.m__ivm_state")
         assert wm.started is not None and "full" in wm.costs and wm.costs["full"] > 0, wm.costs
         sql(f"update {SRC}.t set v = v + 1 where v % 50 = {step}")  # 4 rows
-        _, expected = cheapest(["INCREMENTAL", "FULL"], estimates(wm.costs, 4), wm.costs, 4)
+        rows = sql(f"select count(*) from {SRC}.t")[0][0]
+        _, expected = cheapest(["INCREMENTAL", "FULL"], estimates(wm.costs, 4, rows=rows), wm.costs, 4)
         out = project.dbt("run")
         assert out.success, out.exception
         response = out.response("m")
@@ -85,6 +86,8 @@ def test_cost_rule_follows_the_measured_costs(project):
             assert response["code"] == "FULL" and response["reason"] == "REBUILD_CHEAPER", response
             assert "estimated" in out.results["m"].adapter_response["_message"]
         assert check_model(f"{OUT}.m", out.results["m"].node.compiled_code) is None
+        _, wm = read_watermark(ex, f"{OUT}.m__ivm_state")  # a small change's rows counted (the slope's)
+        assert wm.sources[0]["rows"] == rows, wm.sources
     # off: incremental whatever the history says
     project.write("models/m.sql", "{{ config(materialized='incremental_mv', ivm_cost_rule='off') }}\n"
                   "select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k")
