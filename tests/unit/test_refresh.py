@@ -460,6 +460,9 @@ def test_cost_rule_retries_incremental_only_like_the_one_measured():
     assert cheapest(chain, est, costs, int(100 * RETRY_GROWTH)) == ("INCREMENTAL", None)
     assert cheapest(chain, est, costs, 10_000)[0] == "PARTITION"
     assert cheapest(chain, est, {**costs, "rebuilt": RETRY_AFTER - 1}, 100)[0] == "PARTITION"
+    # nothing measured among the commits read (aged out): no retry, the prior decides
+    aged = {k: v for k, v in costs.items() if not k.startswith("incremental")}
+    assert cheapest(chain, est, aged, 100)[0] == "PARTITION"
     # an incremental refresh not measured yet is weighed against a measured partition refresh
     unmeasured = {"full": 5.4, "partition": (1.4, 1), "partition_points": [(1.4, 1)]}
     est = {"INCREMENTAL": (2.0, "prior"), "PARTITION": (1.4, "p"), "FULL": (5.4, "f")}
