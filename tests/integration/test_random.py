@@ -35,7 +35,7 @@ fails from a fresh build of the pre-round table contents.
 
 Environment:
 
-* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 18: 12 models per round, so 216 model
+* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 12: 12 models per round, so 144 model
   refreshes, each compared with a full recompute; each round is one `dbt run` plus the checks, tens of seconds
   on a 2-core machine). ``DBT_IVM_RANDOM_ROUNDS=2000`` for a long run.
 * ``DBT_IVM_RANDOM_SEED`` (default 20261121).
