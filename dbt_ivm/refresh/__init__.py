@@ -14,7 +14,7 @@ The names below are the package's interface (the adapter, the audit and the test
 from dbt_ivm.config import validate_config
 from dbt_ivm.refresh.decide import (
     CREATE, FULL, INCREMENTAL, INCREMENTAL_PRIOR_S, NOOP, PARTITION, RETRY_AFTER, SMALL_CHANGE, Decision, Result,
-    cheapest, decide, estimates, too_large,
+    cheapest, decide, estimates, partition_floor, too_large,
 )
 from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, describe_source, has_mv_readers
 from dbt_ivm.refresh.incremental import COMPACT_AFTER, LAYER_FRACTION, MAX_LAYERS, fold_due
@@ -30,5 +30,5 @@ __all__ = [
     "PROP_LAYOUT", "PROP_STATE", "RETRY_AFTER", "Refresher", "Result", "SMALL_CHANGE", "Watermark",
     "append_layers", "cheapest", "estimates", "commit_stamps", "decide", "describe_history", "describe_source",
     "dv_merges", "estimate_changes", "fold_due", "foreign_write", "has_mv_readers", "measured_costs",
-    "read_watermark", "state_name", "too_large", "validate_config", "window_estimate", "written_bytes",
+    "partition_floor", "read_watermark", "state_name", "too_large", "validate_config", "window_estimate", "written_bytes",
 ]

@@ -221,7 +221,7 @@ def test_the_cost_rule_weighs_the_partition_strategy_and_records_its_estimates(p
     are in adapter_response and the history row beside the time taken."""
     import json
 
-    from dbt_ivm.refresh import cheapest, estimates, read_watermark
+    from dbt_ivm.refresh import cheapest, estimates, partition_floor, read_watermark
     from tests.harness import SessionExecutor
 
     sql(f"create table {SRC}.evf (d date, k int, v int) using delta partitioned by (d) "
@@ -238,8 +238,14 @@ def test_the_cost_rule_weighs_the_partition_strategy_and_records_its_estimates(p
         total = None if wm.costs.get("partition") else DAYS
         sql(f"insert into {SRC}.evf values (date_add(date'2024-01-01', {step}), 1, {step})")
         rows = sql(f"select count(*) from {SRC}.evf")[0][0]  # the cost rule counts them (its slope's)
-        est = estimates(wm.costs, 1, replaced=1, total=total, rows=rows)
-        expected, why = cheapest(["INCREMENTAL", "PARTITION", "FULL"], est, wm.costs, 1)
+        # PARTITION is weighed unless INCREMENTAL is estimated below its floor
+        # (then it is not a candidate and has no estimate).
+        inc = estimates(wm.costs, 1, rows=rows).get("INCREMENTAL")
+        floor = partition_floor(wm.costs, 1)
+        weighed = inc is None or floor is None or inc[0] >= floor
+        est = estimates(wm.costs, 1, replaced=1 if weighed else None, total=total if weighed else None, rows=rows)
+        candidates = ["INCREMENTAL", *(["PARTITION"] if weighed else []), "FULL"]
+        expected, why = cheapest(candidates, est, wm.costs, 1)
         response = _run(project, "costed").response("costed")
         assert response["code"] == expected, (response, est, wm.costs)
         assert response.get("reason") == (why.code if why else None), response
