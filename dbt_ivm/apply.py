@@ -106,6 +106,19 @@ def _bag_units(plan: Plan, window: Window) -> str:
     return _unit_rows(rel, plan.columns, W, _unit_weights(plan))
 
 
+def repeats_query(plan: Plan, window: Window, where: Optional[str] = None) -> str:
+    """How many of a bag's rows at the window's new versions (those matching
+    ``where``) repeat another: 0 means its unit rows are already its
+    consolidated state, one row per distinct row, and a rebuild under the
+    merge layout may write them as they come instead of grouping by every
+    column (a shuffle of every row). Counted on their RIDs: distinct hashes
+    imply distinct rows; a collision only counts as a repeat, and the rebuild
+    then groups."""
+    rel = f"({_bag_units(plan, window)}) AS {PREFIX}r"
+    filtered = f"(SELECT * FROM {rel} WHERE {where}) AS {PREFIX}w" if where else rel
+    return f"SELECT count(1) - count(DISTINCT {RID}) FROM {filtered}"
+
+
 def _bag_layer(plan: Plan, state: str, window: Window) -> Optional[str]:
     """The append layout's INSERT for a bag: the window's net change per row
     (_consolidated), added rows as unit rows, removed ones as one row of
@@ -519,12 +532,14 @@ def avg_sum_types(plan: Plan, arg_types: dict) -> dict:
 _DECIMAL = re.compile(r"(?i)decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)")
 
 
-def state_query(plan: Plan, window: Window, types: dict, layered: bool = False) -> str:
+def state_query(plan: Plan, window: Window, types: dict, layered: bool = False, units: bool = False) -> str:
     """SELECT producing the whole state table at the window's new versions
-    (``layered``: for the append layout, where a bag's rows are unit rows)."""
+    (``layered``: for the append layout, where a bag's rows are unit rows;
+    ``units``: a bag's rows are known not to repeat — repeats_query — so its
+    unit rows are its consolidated state)."""
     if plan.kind == AGGREGATE:
         return _aggregate_state(plan, window, types)
-    if layered and plan.kind == BAG:
+    if (layered or units) and plan.kind == BAG:
         return _bag_units(plan, window)
     return _bag_state(plan, window)
 

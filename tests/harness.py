@@ -157,6 +157,18 @@ class SessionExecutor:
         return [tuple(r) for r in (self.session or spark()).sql(statement).collect()]
 
 
+class RecordingExecutor(SessionExecutor):
+    """A SessionExecutor that keeps every statement it ran (``statements``)."""
+
+    def __init__(self, session=None):
+        super().__init__(session)
+        self.statements: list[str] = []
+
+    def query(self, statement: str) -> list[tuple]:
+        self.statements.append(statement)
+        return super().query(statement)
+
+
 def fresh_schemas(out: str, src: str) -> None:
     """A test module's own schemas, empty: its models' ``out`` and its sources' ``src``."""
     sql(f"drop schema if exists {out} cascade")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from dbt_ivm import refresh
-from tests.harness import DbtProject, SessionExecutor, check_model, fresh_schemas, sql
+from dbt_ivm.refresh import Refresher
+from tests.harness import DbtProject, RecordingExecutor, SessionExecutor, check_model, fresh_schemas, sql
 
 pytestmark = pytest.mark.spark
 
@@ -288,3 +289,37 @@ def test_append_where_it_cannot_hold_is_an_error_and_writes_nothing(project, nam
     msg = out.results[name].message
     assert "ivm_state_layout 'append'" in msg and says in msg and "auto or merge" in msg, msg
     assert not [r for r in sql(f"show tables in {OUT}") if r.tableName.startswith(name)]
+
+
+def test_a_rebuild_writes_plain_rows_as_they_come_unless_they_repeat(project):
+    """Under the merge layout a plain-row model's state holds one row per
+    distinct row (the MERGE matches on every column). A rebuild whose rows do
+    not repeat writes them as they come — no GROUP BY over every column, a
+    shuffle of every row; one whose rows repeat consolidates them. Either way
+    a refresh after it finds one state row per distinct row: removing one
+    copy of a repeated row keeps the other."""
+    sql(f"create table {SRC}.u (id int, g string) using delta tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"insert into {SRC}.u select id, concat('g', id % 3) from range(0, 50)")
+    text = f"select id, g from {SRC}.u where id <> 7"
+    config = {"ivm_state_layout": "merge", "ivm_cost_rule": "off"}
+
+    def refresh_once(full: bool):
+        ex = RecordingExecutor()
+        result = Refresher(ex, text, f"{OUT}.u_rows", config, full).run()
+        assert check_model(f"{OUT}.u_rows", text) is None
+        writes = [s for s in ex.statements if s.startswith(("CREATE TABLE", "INSERT OVERWRITE", "MERGE"))]
+        assert len(writes) == 1, ex.statements
+        return result.strategy, writes[0]
+
+    strategy, write = refresh_once(False)
+    assert strategy == "CREATE" and "GROUP BY" not in write, write  # distinct rows, as they come
+    sql(f"insert into {SRC}.u values (1, 'g1'), (2, 'g2'), (2, 'g2')")  # copies of existing rows
+    assert refresh_once(False)[0] == "INCREMENTAL"
+    assert _state_rows("u_rows") == 49
+    strategy, write = refresh_once(True)
+    assert strategy == "FULL" and "GROUP BY" in write, write  # repeats: consolidated
+    assert _state_rows("u_rows") == 49
+    sql(f"delete from {SRC}.u where id = 2")
+    sql(f"insert into {SRC}.u values (2, 'g2'), (2, 'g2')")  # one of three copies gone
+    assert refresh_once(False)[0] == "INCREMENTAL"
+    assert sql(f"select count(*) from {OUT}.u_rows where id = 2")[0][0] == 2

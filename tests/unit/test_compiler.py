@@ -160,7 +160,9 @@ def test_append_layout_of_a_bag():
     fold that sums only rows whose RID carries another count."""
     import sqlglot
 
-    from dbt_ivm.apply import append_eligible, append_statement, bag_state_of_query, folded_state, state_query
+    from dbt_ivm.apply import (
+        append_eligible, append_statement, bag_state_of_query, folded_state, repeats_query, state_query,
+    )
     from dbt_ivm.delta import Window
 
     cat = Catalog({"db.a": Source("db.a", (("i", "int"), ("j", "int")), kind="delta", version=3, cdf=True)})
@@ -174,6 +176,11 @@ def test_append_layout_of_a_bag():
         sqlglot.parse_one(statement, read="spark")
     assert "GROUP BY" not in units and "explode" not in units and "CAST(1 AS BIGINT) AS __ivm_count" in units
     assert "GROUP BY" in state_query(plan, Window(new={"db.a": 3}), {})  # the merge layout consolidates
+    assert state_query(plan, Window(new={"db.a": 3}), {}, units=True) == units  # ... unless rows do not repeat
+    repeats = repeats_query(plan, Window(new={"db.a": 3}), "`i` IN (1, 2)")
+    parsed = sqlglot.parse_one(repeats, read="spark")
+    assert [e.sql("spark") for e in parsed.expressions] == ["COUNT(1) - COUNT(DISTINCT __ivm_rid)"]
+    assert parsed.find(exp.Where).this.sql("spark") == "`i` IN (1, 2)" and units in repeats
     assert insert.startswith("INSERT INTO `db`.`s` SELECT")
     assert "`db`.`s`" not in insert.split(" SELECT ", 1)[1]  # the layer does not read the state
     assert "CASE WHEN __ivm_u.__ivm_count > 0 THEN 1 ELSE __ivm_u.__ivm_count END" in insert
