@@ -9,7 +9,6 @@ import json
 from typing import TYPE_CHECKING, Optional
 
 from dbt_ivm import apply
-from dbt_ivm.config import APPEND
 from dbt_ivm.delta import Window
 from dbt_ivm.errors import IvmConfigError
 from dbt_ivm.names import canonical, ident, string
@@ -69,8 +68,8 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
         types = {row[0].lower(): row[1] for row in r.ex.query(f"DESCRIBE QUERY {pinned}")}
         args = apply.avg_args_query(plan, window)
         sums = apply.avg_sum_types(plan, {row[0]: row[1] for row in r.ex.query(f"DESCRIBE QUERY {args}")}) if args else {}
-    body, kind, columns = state_body(plan, sources, types, sums, pinned, r.layout == APPEND,
-                                     rows_distinct(r, plan, window))
+    body, kind, columns = state_body(plan, sources, types, sums, pinned)
+    r.units = kind == BAG
     if kind != AGGREGATE:
         _check_row_types(types)
     view = r.view_statement(plan, kind, columns, {**types, **sums})
@@ -112,29 +111,14 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
         r.ex.query(view)
 
 
-def state_body(plan, sources, types: dict, sums: dict, pinned: str, layered: bool = False,
-               units: bool = False) -> tuple[str, str, list]:
+def state_body(plan, sources, types: dict, sums: dict, pinned: str) -> tuple[str, str, list]:
     """(the SELECT of the whole state at the sources' current versions, the
-    state's kind, the model's columns): the plan's state (``layered``: as the
-    append layout keeps it; ``units``: a bag's rows as they come, rows_distinct),
-    or for a query not maintained row by row its rows as a bag."""
+    state's kind, the model's columns): the plan's state, or for a query not
+    maintained row by row its rows as a bag."""
     if plan is not None:
         window = Window(new={s.physical: s.version for s in sources})
-        return apply.state_query(plan, window, {**types, **sums}, layered, units), plan.kind, plan.columns
+        return apply.state_query(plan, window, {**types, **sums}), plan.kind, plan.columns
     return apply.bag_state_of_query(pinned, list(types)), BAG, list(types)
-
-
-def rows_distinct(r: "Refresher", plan, window: Window, where: Optional[str] = None) -> bool:
-    """Whether a rebuild of a bag's state under the merge layout (of the rows
-    matching ``where``) may write the query's rows as they come: none repeats
-    another (apply.repeats_query, one aggregate over their hashes), so they
-    are already one state row per distinct row — what the MERGE of the next
-    refresh matches on. Otherwise the rebuild groups by every column. Measured
-    (BENCHMARKS.md, twenty-third session): the grouping is a shuffle of every
-    row, the check one of a hash per row."""
-    if plan is None or plan.kind != BAG or r.layout == APPEND:
-        return False
-    return int(r.ex.query(apply.repeats_query(plan, window, where))[0][0]) == 0
 
 
 def _partitioned_by(columns: list) -> str:

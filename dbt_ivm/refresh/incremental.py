@@ -12,7 +12,7 @@ from dbt_ivm.config import APPEND
 from dbt_ivm.delta import Window, materialized
 from dbt_ivm.errors import Reason
 from dbt_ivm.names import DIALECT, canonical, ident
-from dbt_ivm.plan import PREFIX, Plan
+from dbt_ivm.plan import BAG, PREFIX, Plan
 from dbt_ivm.refresh.decide import INCREMENTAL, NOOP, Decision, Result
 from dbt_ivm.refresh.log import _as_map
 from dbt_ivm.refresh.watermark import Watermark, _failpoint
@@ -131,6 +131,7 @@ def merge(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Res
     merge = apply.merge_statement(plan, r.state, window, watermark.typed(), groups, change)
     if merge is None:
         return
+    consolidated = watermark.units and plan.kind == BAG and consolidate(r, plan)
     cache_pieces(r)
     r.set_properties(watermark)
     wm = r.watermark_for(plan, sources, watermark.signature, Decision(INCREMENTAL), watermark.columns,
@@ -153,8 +154,26 @@ def merge(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Res
         result.rows = {n: int(v) for n, v in zip(names, rows[0]) if v is not None}
     if recompute:
         result.rows["recomputed_groups"] = recompute
+    if consolidated:
+        result.rows["consolidated"] = 1
     if watermark.dv_merges + 1 >= COMPACT_AFTER:
         compact(r, result)
+
+
+def consolidate(r: "Refresher", plan: Plan) -> bool:
+    """Before the first MERGE into a plain-row state a rebuild wrote as unit
+    rows (Watermark.units): the MERGE matches a row on every column and needs
+    one state row per distinct row. Where some repeat (apply.state_repeats,
+    one aggregate over the state's RIDs), the state is rewritten consolidated
+    first, as a maintenance commit (the watermark stays the rebuild's, and
+    its flag makes a refresh after a crash here check again). A rebuild thus
+    skips grouping every row, and pays it only where rows repeat and a MERGE
+    follows (the append layout never needs it)."""
+    if int(r.ex.query(apply.state_repeats(r.state))[0][0]) == 0:
+        return False
+    with r.maintenance():
+        r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {apply.consolidated_state(plan.columns, r.state)}")
+    return True
 
 
 def append_layer(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Result, window: Window) -> None:

@@ -27,15 +27,13 @@ from sqlglot import exp
 
 from dbt_ivm import apply
 from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
-from dbt_ivm.config import APPEND
-from dbt_ivm.delta import Window
 from dbt_ivm.errors import Reason
 from dbt_ivm.names import DIALECT, canonical, ident
 from dbt_ivm.partitions import lineage
 from dbt_ivm.plan import PREFIX
 from dbt_ivm.refresh.decide import NOOP, NOT_PARTITIONED, PARTITION, Decision, Result, rewound
 from dbt_ivm.refresh.facts import delta_partition_changes, listing_changes
-from dbt_ivm.refresh.full import rows_distinct, state_body
+from dbt_ivm.refresh.full import state_body
 from dbt_ivm.refresh.log import _as_map
 from dbt_ivm.refresh.watermark import Watermark, _failpoint
 
@@ -122,9 +120,8 @@ def run(r: "Refresher", plan, sources: list[Source], watermark: Watermark, chang
     pinned = apply.pinned_query(r.sql, sources, {s.physical: s.version for s in sources})
     where = change.predicate(types[change.column])
     cond = where.sql(dialect=DIALECT)
-    window = Window(new={s.physical: s.version for s in sources})
-    body, _, _ = state_body(plan, sources, types, sums, pinned, r.layout == APPEND,
-                            rows_distinct(r, plan, window, cond))
+    body, kind, _ = state_body(plan, sources, types, sums, pinned)
+    r.units = kind == BAG
     statement = (f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} "
                  f"SELECT * FROM ({body}) AS {ident(PREFIX + 'p')} WHERE {cond}")
     r.set_properties(watermark)

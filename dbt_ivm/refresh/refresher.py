@@ -117,6 +117,7 @@ class Refresher:
         self.sized = False  # _change_sizes ran: self.source_rows holds the new versions' counts
         self.source_total: Optional[int] = None  # ... and the changed sources' rows now, where all are known
         self.recomputed = 0  # MIN/MAX groups this refresh recomputes (recorded in the watermark)
+        self.units = False  # this refresh's rebuild wrote a plain-row state as unit rows (Watermark.units)
         self.started: Optional[float] = None
         self.settled = False  # this refresh changed the state's properties or layout (Watermark.settled)
         self.view_key = ""  # digest of the model's view statement once this refresh is done (Watermark.view)
@@ -408,7 +409,7 @@ class Refresher:
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
             change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
             recomputed=self.recomputed, layout=self.layout, started=self.started, settled=self.settled,
-            rebuild_seconds=self.rebuild_seconds,
+            rebuild_seconds=self.rebuild_seconds, units=self.units,
             changes=self.changes if decision.strategy == INCREMENTAL else None, view=self.view_key,
             replaced=self.replaced if decision.strategy == PARTITION else None,
             partitions=self._partitions_known()[0], partitions_age=self._partitions_known()[1],

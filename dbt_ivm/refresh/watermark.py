@@ -64,6 +64,8 @@ class Watermark:
     partitions_age: int = 0  # ... that many refreshes before this one
     rebuild_seconds: Optional[float] = None  # the newest rebuild's cost when its refresh started (carried: measured_costs)
     settled: bool = False  # its refresh first changed the state's properties or layout (one-off work: see measured_costs)
+    units: bool = False  # its rebuild wrote a plain-row state's rows as they came: under the merge layout one may
+    # repeat, and the next MERGE consolidates them first (incremental.consolidate)
 
     def typed(self) -> dict:
         """The types the state's statements are built with: the visible columns'

@@ -148,8 +148,9 @@ def test_append_layout_of_plain_rows(project, monkeypatch):
     kept as unit rows: a build writes every row once (no consolidation), a
     refresh appends the net change (removals as negative rows, no read of the
     state), the view sums only the rows with removals, compaction brings back
-    unit rows. ``rows_auto`` starts under the merge layout (consolidated
-    duplicates, counts > 1) and switches: the view must read both forms."""
+    unit rows. ``rows_auto`` starts under the merge layout (unit rows, then
+    consolidated by its first MERGE: counts > 1) and switches: the view must
+    read both forms."""
     monkeypatch.setattr(refresh.incremental, "MAX_LAYERS", 3)
     monkeypatch.setattr(refresh.incremental, "LAYER_FRACTION", 1e9)
     models = ("rows_append", "rows_auto")
@@ -158,7 +159,12 @@ def test_append_layout_of_plain_rows(project, monkeypatch):
     assert _layout("rows_append") == "append" and _layout("rows_auto") == "merge"
     visible = sql(f"select count(*) from {OUT}.rows_append")[0][0]
     assert _state_rows("rows_append") == visible  # unit rows: one state row per row of the model
-    assert _state_rows("rows_auto") < visible  # the merge layout consolidates the duplicates
+    assert _state_rows("rows_auto") == visible  # a rebuild writes unit rows under the merge layout too
+    sql(f"insert into {SRC}.t values (3, 'g3', 60, 0.0)")
+    out = project.dbt("run", "--select", "rows_auto")  # its first MERGE consolidates the repeats
+    _exact(out, "rows_auto")
+    assert out.response("rows_auto")["rows"].get("consolidated") == 1, out.response("rows_auto")
+    assert _layout("rows_auto") == "merge" and _state_rows("rows_auto") < visible + 1
     monkeypatch.setattr(refresh.refresher, "BAG_APPEND_AUTO_BYTES", 1)
     steps = [
         # a copy of duplicated rows goes (one of two (g, v) rows differing only in k), rows come in twice
@@ -291,13 +297,13 @@ def test_append_where_it_cannot_hold_is_an_error_and_writes_nothing(project, nam
     assert not [r for r in sql(f"show tables in {OUT}") if r.tableName.startswith(name)]
 
 
-def test_a_rebuild_writes_plain_rows_as_they_come_unless_they_repeat(project):
-    """Under the merge layout a plain-row model's state holds one row per
-    distinct row (the MERGE matches on every column). A rebuild whose rows do
-    not repeat writes them as they come — no GROUP BY over every column, a
-    shuffle of every row; one whose rows repeat consolidates them. Either way
-    a refresh after it finds one state row per distinct row: removing one
-    copy of a repeated row keeps the other."""
+def test_a_rebuild_writes_plain_rows_as_they_come_and_a_merge_consolidates_repeats(project):
+    """Under the merge layout a plain-row model's MERGE matches a row on every
+    column and needs one state row per distinct row. A rebuild writes the
+    rows as they come — no GROUP BY over every column, a shuffle of every
+    row — and the next MERGE checks the state's RIDs first: it consolidates
+    the state (a maintenance commit) only where rows repeat. Removing one copy
+    of a repeated row then keeps the others."""
     sql(f"create table {SRC}.u (id int, g string) using delta tblproperties (delta.enableChangeDataFeed = true)")
     sql(f"insert into {SRC}.u select id, concat('g', id % 3) from range(0, 50)")
     text = f"select id, g from {SRC}.u where id <> 7"
@@ -308,18 +314,26 @@ def test_a_rebuild_writes_plain_rows_as_they_come_unless_they_repeat(project):
         result = Refresher(ex, text, f"{OUT}.u_rows", config, full).run()
         assert check_model(f"{OUT}.u_rows", text) is None
         writes = [s for s in ex.statements if s.startswith(("CREATE TABLE", "INSERT OVERWRITE", "MERGE"))]
-        assert len(writes) == 1, ex.statements
-        return result.strategy, writes[0]
+        return result, writes
 
-    strategy, write = refresh_once(False)
-    assert strategy == "CREATE" and "GROUP BY" not in write, write  # distinct rows, as they come
-    sql(f"insert into {SRC}.u values (1, 'g1'), (2, 'g2'), (2, 'g2')")  # copies of existing rows
-    assert refresh_once(False)[0] == "INCREMENTAL"
-    assert _state_rows("u_rows") == 49
-    strategy, write = refresh_once(True)
-    assert strategy == "FULL" and "GROUP BY" in write, write  # repeats: consolidated
-    assert _state_rows("u_rows") == 49
+    result, writes = refresh_once(False)
+    assert result.strategy == "CREATE" and len(writes) == 1 and "GROUP BY" not in writes[0], writes
+    sql(f"insert into {SRC}.u values (1, 'g1'), (2, 'g2'), (2, 'g2')")  # copies of rows
+    result, writes = refresh_once(False)  # the state's rows do not repeat: no rewrite before the MERGE
+    assert result.strategy == "INCREMENTAL" and [w.split()[0] for w in writes] == ["MERGE"], writes
+    assert "consolidated" not in result.rows and _state_rows("u_rows") == 49
+    result, writes = refresh_once(True)
+    assert result.strategy == "FULL" and "GROUP BY" not in writes[0], writes
+    assert _state_rows("u_rows") == 52  # the copies as they come
     sql(f"delete from {SRC}.u where id = 2")
     sql(f"insert into {SRC}.u values (2, 'g2'), (2, 'g2')")  # one of three copies gone
-    assert refresh_once(False)[0] == "INCREMENTAL"
+    result, writes = refresh_once(False)
+    assert result.strategy == "INCREMENTAL" and result.rows.get("consolidated") == 1, result.rows
+    assert [w.split()[0] for w in writes] == ["INSERT", "MERGE"] and "GROUP BY" in writes[0], writes
+    assert _state_rows("u_rows") == 49
     assert sql(f"select count(*) from {OUT}.u_rows where id = 2")[0][0] == 2
+    history = sql(f"describe history {OUT}.u_rows__ivm_state limit 2")
+    assert history[1].userMetadata == refresh.MAINTENANCE_MARK, history
+    sql(f"insert into {SRC}.u values (3, 'g0')")
+    result, writes = refresh_once(False)  # the MERGE's watermark says the state is consolidated: no check
+    assert result.strategy == "INCREMENTAL" and [w.split()[0] for w in writes] == ["MERGE"], writes

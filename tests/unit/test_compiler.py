@@ -155,13 +155,15 @@ def test_append_layout_statements():
 
 
 def test_append_layout_of_a_bag():
-    """A bag's layered state: unit rows (no GROUP BY over every column), a
-    layer of the net change per row (removals as one negative row), and a
-    fold that sums only rows whose RID carries another count."""
+    """A bag's state: unit rows (no GROUP BY over every column) under either
+    layout, consolidated before a MERGE where they repeat; a DISTINCT's is
+    grouped. Layered: a layer of the net change per row (removals as one
+    negative row), and a fold that sums only rows whose RID carries another count."""
     import sqlglot
 
     from dbt_ivm.apply import (
-        append_eligible, append_statement, bag_state_of_query, folded_state, repeats_query, state_query,
+        append_eligible, append_statement, bag_state_of_query, consolidated_state, folded_state, state_query,
+        state_repeats,
     )
     from dbt_ivm.delta import Window
 
@@ -171,16 +173,16 @@ def test_append_layout_of_a_bag():
     window = Window(old={"db.a": 2}, new={"db.a": 3})
     insert = append_statement(plan, "db.s", window, {})
     folded = folded_state(plan, "db.s", {})
-    units = state_query(plan, Window(new={"db.a": 3}), {}, layered=True)
-    for statement in (insert, folded, units):
+    units = state_query(plan, Window(new={"db.a": 3}), {})
+    repeats, consolidated = state_repeats("db.s"), consolidated_state(plan.columns, "db.s")
+    for statement in (insert, folded, units, repeats, consolidated):
         sqlglot.parse_one(statement, read="spark")
     assert "GROUP BY" not in units and "explode" not in units and "CAST(1 AS BIGINT) AS __ivm_count" in units
-    assert "GROUP BY" in state_query(plan, Window(new={"db.a": 3}), {})  # the merge layout consolidates
-    assert state_query(plan, Window(new={"db.a": 3}), {}, units=True) == units  # ... unless rows do not repeat
-    repeats = repeats_query(plan, Window(new={"db.a": 3}), "`i` IN (1, 2)")
-    parsed = sqlglot.parse_one(repeats, read="spark")
-    assert [e.sql("spark") for e in parsed.expressions] == ["COUNT(1) - COUNT(DISTINCT __ivm_rid)"]
-    assert parsed.find(exp.Where).this.sql("spark") == "`i` IN (1, 2)" and units in repeats
+    assert repeats == "SELECT count(1) - count(DISTINCT __ivm_rid) FROM `db`.`s`"
+    assert consolidated == ("SELECT `i`, `j2`, __ivm_rid, SUM(__ivm_count) AS __ivm_count FROM `db`.`s` "
+                            "GROUP BY `i`, `j2`, __ivm_rid")
+    distinct = build_plan("select distinct i from db.a", cat)
+    assert "GROUP BY" in state_query(distinct, Window(new={"db.a": 3}), {})  # one row per row, as it shows
     assert insert.startswith("INSERT INTO `db`.`s` SELECT")
     assert "`db`.`s`" not in insert.split(" SELECT ", 1)[1]  # the layer does not read the state
     assert "CASE WHEN __ivm_u.__ivm_count > 0 THEN 1 ELSE __ivm_u.__ivm_count END" in insert
