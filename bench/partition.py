@@ -163,11 +163,16 @@ def main() -> None:
                     for s in SHAPES}})
             print(f"round {rnd} ({frac:g} in {len(days)} days{'' if timed else ', warm-up'}): " + ", ".join(
                 f"{k}={v[0]:.2f}s/{v[1].get('code')}" for k, v in sorted(got.items())), flush=True)
+            report = _save(a, rows, specs, cells)  # after every round: a stopped run keeps what it measured
+    print(summary(report))
+
+
+def _save(a, rows: int, specs: list, cells: list) -> dict:
     report = {"rows": rows, "days": a.days, "changes": specs, "rounds": cells,
               "when": time.strftime("%Y-%m-%d %H:%M")}
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / f"{a.name}.json").write_text(json.dumps(report, indent=1))
-    print(summary(report))
+    return report
 
 
 def summary(report: dict) -> str:

@@ -30,7 +30,7 @@ from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
 from dbt_ivm.errors import Reason
 from dbt_ivm.names import DIALECT, canonical, ident
 from dbt_ivm.partitions import lineage
-from dbt_ivm.plan import PREFIX
+from dbt_ivm.plan import BAG, PREFIX
 from dbt_ivm.refresh.decide import NOOP, NOT_PARTITIONED, PARTITION, Decision, Result, rewound
 from dbt_ivm.refresh.facts import delta_partition_changes, listing_changes
 from dbt_ivm.refresh.full import state_body
