@@ -304,6 +304,7 @@ def test_a_rebuild_writes_plain_rows_as_they_come_and_a_merge_consolidates_repea
     row — and the next MERGE checks the state's RIDs first: it consolidates
     the state (a maintenance commit) only where rows repeat. Removing one copy
     of a repeated row then keeps the others."""
+    sql(f"create schema if not exists {OUT}")  # (dbt makes it on a module's first run; this test runs no dbt)
     sql(f"create table {SRC}.u (id int, g string) using delta tblproperties (delta.enableChangeDataFeed = true)")
     sql(f"insert into {SRC}.u select id, concat('g', id % 3) from range(0, 50)")
     text = f"select id, g from {SRC}.u where id <> 7"
