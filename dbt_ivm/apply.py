@@ -467,21 +467,29 @@ def _partials(plan: Plan) -> list[str]:
 
 def append_statement(plan: Plan, state: str, window: Window, types: dict) -> Optional[str]:
     """The one INSERT of the append layout: the window's per-group change as a
-    new layer of state rows (signed partial sums; the visible columns NULL, since
-    the view folds the layers: folded_state). Groups whose change sums to zero
-    everywhere are left out. None: no source of the plan changed."""
+    new layer of state rows (signed partial sums; the view folds the layers:
+    folded_state). The visible columns computed from the group keys alone carry
+    their values, so a layer row lands in its group's partition of a
+    partitioned state (a PARTITION refresh replaces a partition's layers with
+    its base rows, and a compaction folds a partition by itself); the
+    aggregated ones are NULL. Groups whose change sums to zero everywhere are
+    left out. None: no source of the plan changed."""
     if plan.kind == BAG:
         return _bag_layer(plan, state, window)
     change = _aggregate_change(plan, window)
     if change is None:
         return None
     partials = [COUNT] + _partials(plan)
+    outputs = dict(zip(plan.columns, plan.outputs))
+    keys = {f"{PREFIX}k{i}": f"s.{PREFIX}k{i}" for i in range(len(plan.keys))}
     select = []
     for name in _new_state(plan, None, types):
-        if name in plan.columns:
-            select.append(f"{_cast('NULL', types.get(name))} AS {ident(name)}")
-        else:
+        if name not in plan.columns:
             select.append(f"s.{ident(name)}")
+        elif outputs[name].find(exp.AggFunc, exp.Window):
+            select.append(f"{_cast('NULL', types.get(name))} AS {ident(name)}")
+        else:  # a column of the group keys alone: the layer row lands in its group's partition
+            select.append(f"{_cast(_finalize(plan, outputs[name], keys, types), types.get(name))} AS {ident(name)}")
     nonzero = " OR ".join(f"COALESCE(s.{c}, 0) <> 0" for c in partials)
     return f"INSERT INTO {canonical(state)} SELECT {', '.join(select)} FROM ({change}) AS s WHERE {nonzero}"
 

@@ -1,0 +1,66 @@
+"""Partitioned models under the append state layout: an appended layer's rows
+land in the partitions of the rows they change, so a PARTITION refresh that
+replaces a partition replaces its layers with it, and a compaction folds only
+the partitions that hold layers. Every step is compared with a recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import DbtProject, check_model, fresh_schemas, sql
+
+pytestmark = pytest.mark.spark
+
+SRC, OUT = "play_src", "play_out"
+DAYS = 12
+
+HEAD = ("{{ config(materialized='incremental_mv', partition_by='d', ivm_state_layout='append', "
+        "ivm_policy=var('policy', 'auto')) }}\n")
+MODELS = {
+    "agg": "select d, k, count(*) as n, sum(v) as s, avg(v) as a from {{ source('src', 'ev') }} group by d, k",
+    "rows": "select d, k, v, v * 2 as v2 from {{ source('src', 'ev') }} where v % 5 <> 0",
+}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    p = DbtProject(tmp_path_factory.mktemp("play"), name="play", schema=OUT)
+    fresh_schemas(OUT, SRC)
+    sql(f"create table {SRC}.ev (d date, k int, v int) using delta partitioned by (d) "
+        "tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"insert into {SRC}.ev select date_add(date'2024-01-01', cast(id % {DAYS} as int)), "
+        "cast(id % 4 as int), cast(id as int) from range(0, 480)")
+    p.write_sources(SRC, "ev")
+    for name, body in MODELS.items():
+        p.write(f"models/{name}.sql", HEAD + body)
+    out = p.dbt("run")
+    assert out.success, out.exception
+    return p
+
+
+def _run(project, policy: str):
+    out = project.dbt("run", "--vars", f"{{policy: {policy}}}")
+    assert out.success, out.exception
+    for m in MODELS:
+        assert check_model(f"{OUT}.{m}", out.results[m].node.compiled_code) is None, (m, out.response(m))
+    return out
+
+
+def _change(day: int, seed: int) -> None:
+    d = f"date_add(date'2024-01-01', {day})"
+    sql(f"insert into {SRC}.ev values ({d}, 1, {1000 + seed}), ({d}, 9, {2000 + seed})")
+    sql(f"delete from {SRC}.ev where d = {d} and v % 7 = {seed % 7}")
+    sql(f"update {SRC}.ev set v = v + 3 where d = {d} and k = 2")
+
+
+def test_a_partition_refresh_replaces_the_layers_of_its_partitions(project):
+    _change(3, 1)
+    out = _run(project, "incremental")
+    assert {m: out.code(m) for m in MODELS} == {m: "INCREMENTAL" for m in MODELS}
+    _change(3, 2)
+    _change(5, 3)
+    out = _run(project, "partition")
+    assert {m: out.code(m) for m in MODELS} == {m: "PARTITION" for m in MODELS}
+    _change(3, 4)
+    out = _run(project, "incremental")
+    assert {m: out.code(m) for m in MODELS} == {m: "INCREMENTAL" for m in MODELS}
