@@ -30,7 +30,7 @@ from sqlglot import exp
 
 from dbt_ivm.catalog import Catalog
 from dbt_ivm.errors import IvmConfigError, UnsupportedQuery
-from dbt_ivm.names import canonical
+from dbt_ivm.names import DIALECT, canonical
 from dbt_ivm.plan import cte_of, parse, qualified, table_name
 from dbt_ivm.subqueries import decorrelate
 
@@ -235,3 +235,35 @@ def _reach(select: exp.Select, start: tuple, nullable: set) -> dict:
     for alias, col in sorted(reached):
         out.setdefault(alias, col)
     return out
+
+
+def partitions_predicate(columns: tuple, values: list, types: dict) -> exp.Expression:
+    """A predicate selecting exactly the partitions ``values`` (tuples of
+    values as Delta serializes partition values, in ``columns`` order; None is
+    NULL) of a table partitioned by ``columns`` (their Spark ``types``): for one
+    column ``c IN (typed values) [OR c IS NULL]``, for several an OR of one
+    conjunction per partition; FALSE for none. A predicate on partition
+    columns alone, so Delta's REPLACE WHERE and a scan prune on it.
+
+    >>> partitions_predicate(("d",), [("2024-01-02",), (None,)], {"d": "date"}).sql("spark")
+    "`d` IN (CAST('2024-01-02' AS DATE)) OR `d` IS NULL"
+    >>> partitions_predicate(("a", "b"), [("1", None)], {"a": "int", "b": "string"}).sql("spark")
+    "`a` = CAST('1' AS INT) AND `b` IS NULL"
+    """
+    def typed(column: str, value: str) -> exp.Expression:
+        return exp.cast(exp.Literal.string(value), exp.DataType.build(types[column], dialect=DIALECT))
+
+    def col(column: str) -> exp.Column:
+        return exp.column(column, quoted=True)
+
+    if len(columns) == 1:
+        (c,) = columns
+        known = [typed(c, v) for (v,) in values if v is not None]
+        parts: list = [exp.In(this=col(c), expressions=known)] if known else []
+        if any(v is None for (v,) in values):
+            parts.append(exp.Is(this=col(c), expression=exp.Null()))
+        return exp.or_(*parts) if parts else exp.false()
+    conjunctions = [exp.and_(*(exp.Is(this=col(c), expression=exp.Null()) if v is None else
+                              exp.EQ(this=col(c), expression=typed(c, v)) for c, v in zip(columns, row)))
+                    for row in values]
+    return exp.or_(*conjunctions) if conjunctions else exp.false()

@@ -5,6 +5,7 @@ layer of partial sums (the append layout, folded every few layers)."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Optional
 
 from dbt_ivm import apply
@@ -12,9 +13,11 @@ from dbt_ivm.config import APPEND
 from dbt_ivm.delta import Window, materialized
 from dbt_ivm.errors import Reason
 from dbt_ivm.names import DIALECT, canonical, ident
+from dbt_ivm.partitions import partitions_predicate
 from dbt_ivm.plan import BAG, PREFIX, Plan
 from dbt_ivm.refresh.decide import INCREMENTAL, NOOP, Decision, Result
-from dbt_ivm.refresh.log import _as_map
+from dbt_ivm.refresh.facts import delta_partition_changes
+from dbt_ivm.refresh.log import FOLDED, Layers, _as_map
 from dbt_ivm.refresh.watermark import Watermark, _failpoint
 
 if TYPE_CHECKING:
@@ -37,19 +40,19 @@ MAX_LAYERS = 10
 LAYER_FRACTION = 0.5
 
 
-def fold_due(layers: tuple, appended: int) -> bool:
+def fold_due(layers: Layers, appended: int) -> bool:
     """Whether an append-layout state is compacted after an append of
     ``appended`` rows onto ``layers`` (append_layers of the history before it):
     after MAX_LAYERS appends, or once the appended rows reach LAYER_FRACTION of
     the rows last written whole. A read of the model folds every layer, so this
-    bounds what reads pay; each compaction rewrites the state once.
+    bounds what reads pay; each compaction rewrites the state once (a
+    partitioned state: the partitions holding layers).
 
-    >>> fold_due((0, 0, 1000), 400), fold_due((1, 400, 1000), 100), fold_due((MAX_LAYERS - 1, 9, None), 1)
+    >>> fold_due(Layers(0, 0, 1000), 400), fold_due(Layers(1, 400, 1000), 100), fold_due(Layers(MAX_LAYERS - 1, 9), 1)
     (False, True, True)
     """
-    appends, rows, base = layers
-    appends, rows = appends + 1, rows + appended
-    return appends >= MAX_LAYERS or (base is not None and rows >= LAYER_FRACTION * max(base, 1))
+    appends, rows = layers.appends + 1, layers.rows + appended
+    return appends >= MAX_LAYERS or (layers.base is not None and rows >= LAYER_FRACTION * max(layers.base, 1))
 
 
 def run(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Result,
@@ -206,25 +209,54 @@ def append_layer(r: "Refresher", plan: Plan, sources, watermark: Watermark, resu
         return
     appended = int(str(_as_map(mine[12]).get("numOutputRows") or 0).strip('"'))
     result.rows = {"appended": appended}
-    if fold_due(watermark.layers if watermark.layout == APPEND else (0, 0, None), appended):
-        fold(r, plan, types, result)
+    layers = watermark.layers if watermark.layout == APPEND else Layers()
+    if fold_due(layers, appended):
+        fold(r, plan, types, result, layers, int(mine[0]))
 
 
-def fold(r: "Refresher", plan: Plan, types: dict, result: Result) -> None:
+def fold(r: "Refresher", plan: Plan, types: dict, result: Result, layers: Layers, version: int) -> None:
     """Compaction of the append layout: the state rewritten as its folded rows
     (one per group; a commit that changes no group's sums, after the
-    refresh's own). A layer appended meanwhile by another refresh makes
-    Delta reject the overwrite (it read the table: ConcurrentAppendException,
-    checked by hand), never lose the layer; an append that commits after it
-    conflicts with nothing. Maintenance only: a failure leaves the refresh as
-    it is and is retried next time."""
+    refresh's own at ``version``). A partitioned state rewrites only the
+    partitions its commits since its base (``layers.since``) wrote to, read
+    from the Delta log (facts.delta_partition_changes): a group's rows, base
+    and layers, share its partition (apply.append_statement), and the
+    others hold no layer. The commit's mark (log.FOLDED) makes it a base
+    for the next count of layers. A layer appended meanwhile by another
+    refresh makes Delta reject the overwrite of its partition (it read the
+    table: ConcurrentAppendException, checked by hand), never lose the
+    layer; an append that commits after it conflicts with nothing.
+    Maintenance only: a failure leaves the refresh as it is and is retried
+    next time."""
+    folded = apply.folded_state(plan, r.state, types)
     try:
-        with r.maintenance():
-            r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {apply.folded_state(plan, r.state, types)}")
+        scope = _layered_partitions(r, layers, version, types)
+        if scope is None:
+            with r.maintenance():
+                r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {folded}")
+        else:
+            cond, result.rows["partitions_folded"] = scope
+            with r.maintenance(json.dumps({"dbt_ivm_maintenance": 1, FOLDED: layers.base}, separators=(",", ":"))):
+                r.ex.query(f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} "
+                           f"SELECT * FROM ({folded}) AS {ident(PREFIX + 'f')} WHERE {cond}")
         result.rows["compacted"] = 1
     except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
         result.rows["compaction_failed"] = 1
         result.notes.append(f"compaction of {r.state} failed: {str(e)[:200]}")
+
+
+def _layered_partitions(r: "Refresher", layers: Layers, version: int, types: dict) -> Optional[tuple[str, int]]:
+    """The predicate selecting the partitions of the state that commits
+    (layers.since, version] wrote to, and their count; None: the state is not
+    partitioned, or its log cannot say (the base is older than the commits
+    read, a commit file is gone)."""
+    if not r.partition_by or layers.since is None:
+        return None
+    columns = tuple(r.partition_by)
+    parts = delta_partition_changes(r.ex, r.state, columns, layers.since, version)
+    if parts is None:
+        return None
+    return partitions_predicate(columns, parts, types).sql(dialect=DIALECT), len(parts)
 
 
 def compact(r: "Refresher", result: Result) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 from dbt_ivm.names import canonical
 
@@ -199,12 +199,44 @@ def dv_merges(history: list[tuple]) -> int:
     return n
 
 
-def append_layers(history: list[tuple]) -> tuple[int, int, Optional[int]]:
-    """(appends, rows appended, rows written whole) of a table since it was last
-    written whole (DESCRIBE HISTORY rows, newest first): the layers an
-    append-layout state holds over its base. The base's rows are None when the
-    last write before the appends was not a whole write (a MERGE, before the
-    state's layout became append) or is not among the rows given.
+class Layers(NamedTuple):
+    """What an append-layout state holds over its base (append_layers)."""
+
+    appends: int = 0  # layers appended since the state was last written whole
+    rows: int = 0  # rows they appended
+    base: Optional[int] = None  # rows of that whole write (None: not among the commits read)
+    since: Optional[int] = None  # its version: every layer is in a later commit
+
+
+# userMetadata key of a compaction that folded only the partitions holding
+# layers (refresh.incremental.fold): the rows of the whole state it stands for.
+FOLDED = "folded_rows"
+
+
+def maintenance_mark(text) -> Optional[dict]:
+    """A commit's userMetadata as dbt-ivm's maintenance mark (a JSON object
+    with ``dbt_ivm_maintenance``), else None.
+
+    >>> maintenance_mark('{"dbt_ivm_maintenance":1,"folded_rows":10}'), maintenance_mark('{"dbt_ivm":1}')
+    ({'dbt_ivm_maintenance': 1, 'folded_rows': 10}, None)
+    """
+    try:
+        mark = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return mark if isinstance(mark, dict) and "dbt_ivm_maintenance" in mark else None
+
+
+def append_layers(history: list[tuple]) -> Layers:
+    """The layers an append-layout state holds over its base, from its
+    commits (DESCRIBE HISTORY rows, newest first) back to the last one that
+    wrote it whole: a rebuild, a whole overwrite (compaction), or a
+    compaction of the partitions holding layers (its mark, FOLDED, gives the
+    rows it stands for). A partition refresh's overwrite of some partitions
+    (a predicate) leaves the layers of the others: counting goes on past it.
+    The base's rows are None when the last write before the appends was not
+    a whole write (a MERGE, before the state's layout became append) or is
+    not among the rows given.
 
     >>> append_layers([(3, None, None, None, "WRITE", {"mode": "Append"}, None, None, None, 2, None, True,
     ...                 {"numOutputRows": "40"}),
@@ -213,21 +245,34 @@ def append_layers(history: list[tuple]) -> tuple[int, int, Optional[int]]:
     ...                 {"numOutputRows": "60"}),
     ...                (0, None, None, None, "CREATE TABLE AS SELECT", {}, None, None, None, None, None, True,
     ...                 {"numOutputRows": "1000"})])
-    (2, 100, 1000)
+    Layers(appends=2, rows=100, base=1000, since=0)
+    >>> part = {"mode": "Overwrite", "predicate": "d IN (1)"}
+    >>> append_layers([(3, None, None, None, "WRITE", part, None, None, None, 2, None, False, {}, '{"dbt_ivm":1}'),
+    ...                (2, None, None, None, "WRITE", {"mode": "Append"}, None, None, None, 1, None, True,
+    ...                 {"numOutputRows": "5"}),
+    ...                (1, None, None, None, "WRITE", part, None, None, None, 0, None, False,
+    ...                 {"numOutputRows": "7"}, '{"dbt_ivm_maintenance":1,"folded_rows":900}')])
+    Layers(appends=1, rows=5, base=900, since=1)
     """
     appends, rows = 0, 0
     for row in history:
         op = str(row[4] or "").upper()
-        mode = str(_as_map(row[5]).get("mode", "")).strip('"')
+        params = _as_map(row[5])
+        mode = str(params.get("mode", "")).strip('"')
         metrics = _as_map(row[12] if len(row) > 12 else None)
+        mark = maintenance_mark(row[13] if len(row) > 13 else None)
         if op == "WRITE" and mode == "Append":
             appends += 1
             rows += int(str(metrics.get("numOutputRows") or 0).strip('"'))
+        elif op == "WRITE" and mode == "Overwrite" and params.get("predicate"):
+            if mark is not None and FOLDED in mark:
+                folded = mark[FOLDED]
+                return Layers(appends, rows, None if folded is None else int(folded), int(row[0]))
         elif op in _WHOLE_WRITES or (op == "WRITE" and mode == "Overwrite"):
-            return appends, rows, int(str(metrics.get("numOutputRows") or 0).strip('"'))
+            return Layers(appends, rows, int(str(metrics.get("numOutputRows") or 0).strip('"')), int(row[0]))
         elif op not in _NO_ROW_CHANGE_OPS:
             break
-    return appends, rows, None
+    return Layers(appends, rows)
 
 
 _BYTES_WRITTEN = ("numOutputBytes", "numTargetBytesAdded", "numAddedBytes")

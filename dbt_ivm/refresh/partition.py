@@ -29,7 +29,7 @@ from dbt_ivm import apply
 from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
 from dbt_ivm.errors import Reason
 from dbt_ivm.names import DIALECT, canonical, ident
-from dbt_ivm.partitions import lineage
+from dbt_ivm.partitions import lineage, partitions_predicate
 from dbt_ivm.plan import BAG, PREFIX
 from dbt_ivm.refresh.decide import NOOP, NOT_PARTITIONED, PARTITION, Decision, Result, rewound
 from dbt_ivm.refresh.facts import delta_partition_changes, listing_changes
@@ -51,13 +51,7 @@ class Change:
 
     def predicate(self, spark_type: str) -> exp.Expression:
         """``column IN (typed values) [OR column IS NULL]``."""
-        col = exp.column(self.column, quoted=True)
-        typ = exp.DataType.build(spark_type, dialect=DIALECT)
-        known = [exp.cast(exp.Literal.string(v), typ) for v in self.values if v is not None]
-        parts: list = [exp.In(this=col.copy(), expressions=known)] if known else []
-        if any(v is None for v in self.values):
-            parts.append(exp.Is(this=col.copy(), expression=exp.Null()))
-        return exp.or_(*parts) if parts else exp.false()
+        return partitions_predicate((self.column,), [(v,) for v in self.values], {self.column: spark_type})
 
 
 def prepare(r: "Refresher", sources: list[Source], watermark: Watermark,

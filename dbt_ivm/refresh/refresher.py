@@ -591,11 +591,12 @@ class Refresher:
             confs["spark.databricks.delta.write.txnVersion"] = str(version)
         return self.session_confs(confs)
 
-    def maintenance(self):
+    def maintenance(self, mark: str = MAINTENANCE_MARK):
         """Session confs around a maintenance write of the state (compaction):
-        its commit is marked as dbt-ivm's own, so it is not taken for a write
-        from outside (STATE_MODIFIED)."""
-        return self.session_confs({"spark.databricks.delta.commitInfo.userMetadata": MAINTENANCE_MARK})
+        its commit is marked as dbt-ivm's own (``mark``: a JSON object with
+        ``dbt_ivm_maintenance``, log.maintenance_mark), so it is not taken for a
+        write from outside (STATE_MODIFIED)."""
+        return self.session_confs({"spark.databricks.delta.commitInfo.userMetadata": mark})
 
     def session_confs(self, confs: dict):
         ex = self.ex

@@ -16,7 +16,7 @@ from dbt_ivm.config import MERGE
 from dbt_ivm.names import canonical, suffixed
 from dbt_ivm.refresh.decide import COST_REASONS, CREATE, FULL, INCREMENTAL, PARTITION
 from dbt_ivm.refresh.log import (
-    _NO_ROW_CHANGE_OPS, Executor, _epoch, append_layers, describe_history, dv_merges, written_bytes,
+    _NO_ROW_CHANGE_OPS, Executor, Layers, _epoch, append_layers, describe_history, maintenance_mark, dv_merges, written_bytes,
 )
 
 
@@ -51,7 +51,7 @@ class Watermark:
     written_bytes: int = 0  # ... and the most bytes one of its recent commits wrote (see written_bytes)
     recomputed: int = 0  # MIN/MAX groups its refresh recomputed (> 0: the next one probes first)
     layout: str = MERGE  # the state's layout (ivm_state_layout; written before it was recorded: merge)
-    layers: tuple = (0, 0, None)  # ... and append_layers of its recent commits
+    layers: Layers = Layers()  # ... and append_layers of its recent commits
     foreign: str = ""  # ... and a write of the state made outside dbt-ivm since (foreign_write)
     started: Optional[float] = None  # when its refresh started (epoch seconds): its commit's time minus this is its cost
     changes: Optional[int] = None  # the changed source rows its (incremental) refresh applied
@@ -228,7 +228,7 @@ def foreign_write(newer: list[tuple]) -> str:
     for row in reversed(newer):
         op = str(row[4] or "").upper()
         mark = row[13] if len(row) > 13 else None
-        if op not in _NO_ROW_CHANGE_OPS and mark != MAINTENANCE_MARK:
+        if op not in _NO_ROW_CHANGE_OPS and maintenance_mark(mark) is None:
             return f"version {int(row[0])} ({op})"
     return ""
 

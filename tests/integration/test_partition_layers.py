@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from dbt_ivm.refresh import MAX_LAYERS
 from tests.harness import DbtProject, check_model, fresh_schemas, sql
 
 pytestmark = pytest.mark.spark
@@ -29,7 +30,7 @@ def project(tmp_path_factory):
     sql(f"create table {SRC}.ev (d date, k int, v int) using delta partitioned by (d) "
         "tblproperties (delta.enableChangeDataFeed = true)")
     sql(f"insert into {SRC}.ev select date_add(date'2024-01-01', cast(id % {DAYS} as int)), "
-        "cast(id % 4 as int), cast(id as int) from range(0, 480)")
+        "cast(id % 400 as int), cast(id as int) from range(0, 4800)")
     p.write_sources(SRC, "ev")
     for name, body in MODELS.items():
         p.write(f"models/{name}.sql", HEAD + body)
@@ -49,8 +50,8 @@ def _run(project, policy: str):
 def _change(day: int, seed: int) -> None:
     d = f"date_add(date'2024-01-01', {day})"
     sql(f"insert into {SRC}.ev values ({d}, 1, {1000 + seed}), ({d}, 9, {2000 + seed})")
-    sql(f"delete from {SRC}.ev where d = {d} and v % 7 = {seed % 7}")
-    sql(f"update {SRC}.ev set v = v + 3 where d = {d} and k = 2")
+    sql(f"delete from {SRC}.ev where d = {d} and v % 97 = {seed % 97}")
+    sql(f"update {SRC}.ev set v = v + 3 where d = {d} and k = 2 and v % 31 = {seed % 31}")
 
 
 def test_a_partition_refresh_replaces_the_layers_of_its_partitions(project):
@@ -64,3 +65,37 @@ def test_a_partition_refresh_replaces_the_layers_of_its_partitions(project):
     _change(3, 4)
     out = _run(project, "incremental")
     assert {m: out.code(m) for m in MODELS} == {m: "INCREMENTAL" for m in MODELS}
+
+
+def _files(model: str) -> dict:
+    """partition value -> the data files of the model's state holding it."""
+    out: dict = {}
+    for d, path in sql(f"select distinct d, _metadata.file_path from {OUT}.{model}__ivm_state"):
+        out.setdefault(d, set()).add(path)
+    return out
+
+
+def test_a_compaction_folds_only_the_partitions_holding_layers(project):
+    """The states hold two layers (days 3 and 5, the partition refresh between
+    them counted past); appends to days 7 and 8 until MAX_LAYERS: that refresh
+    folds the four partitions written since the build, leaves every other
+    partition's files as they were, and starts the count again."""
+    import datetime
+
+    before = {m: _files(m) for m in MODELS}
+    touched = {datetime.date(2024, 1, 1) + datetime.timedelta(days=n) for n in (3, 5, 7, 8)}
+    for i in range(MAX_LAYERS - 2):
+        _change(7 + i % 2, 10 + i)
+        out = _run(project, "incremental")
+        rows = {m: out.response(m)["rows"] for m in MODELS}
+        if i < MAX_LAYERS - 3:
+            assert not any("compacted" in r for r in rows.values()), (i, rows)
+    assert all(r.get("compacted") == 1 and r.get("partitions_folded") == len(touched) for r in rows.values()), rows
+    for m in MODELS:
+        after = _files(m)
+        assert {d: f for d, f in after.items() if d not in touched} == \
+               {d: f for d, f in before[m].items() if d not in touched}, m
+        assert all(after[d].isdisjoint(before[m].get(d, set())) for d in touched), m
+    _change(8, 40)
+    out = _run(project, "incremental")
+    assert not any("compacted" in out.response(m)["rows"] for m in MODELS), out.response("agg")

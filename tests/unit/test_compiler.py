@@ -140,8 +140,10 @@ def test_append_layout_statements():
     folded = folded_state(plan, "db.s", types)
     for statement in (insert, folded, view_query(plan.kind, plan.columns, "db.s", folded)):
         sqlglot.parse_one(statement, read="spark")  # well-formed
-    # the layer: the change only (no state read, no snapshot), visible columns NULL, zero changes dropped
-    assert insert.startswith("INSERT INTO `db`.`s` SELECT CAST(NULL AS int) AS `i`")
+    # the layer: the change only (no state read, no snapshot), the visible key column from the group key
+    # (a partitioned state keeps a layer row in its group's partition), the aggregates NULL, zero changes dropped
+    assert insert.startswith("INSERT INTO `db`.`s` SELECT CAST((s.__ivm_k0) AS int) AS `i`, "
+                             "CAST(NULL AS bigint) AS `n`, CAST(NULL AS double) AS `s`")
     assert "VERSION AS OF" not in insert and "`db`.`s`" not in insert.split(" SELECT ", 1)[1]
     assert "COALESCE(s.__ivm_count, 0) <> 0 OR" in insert
     # the fold: every layer summed per group, vanished groups dropped

@@ -616,10 +616,12 @@ def test_append_where_it_cannot_hold_is_a_config_error(sql, readers, says):
 
 
 def test_watermark_keeps_layout_but_not_layers():
+    from dbt_ivm.refresh.log import Layers
+
     w = wm()
-    w.layout, w.layers = "append", (3, 30, 100)
+    w.layout, w.layers = "append", Layers(3, 30, 100, 4)
     back = Watermark.from_json(w.to_json())
-    assert back.layout == "append" and back.layers == (0, 0, None)
+    assert back.layout == "append" and back.layers == Layers()
     old = Watermark.from_json(wm().to_json().replace(',"layout":"merge"', ""))  # written before layouts
     assert old.layout == "merge"
 
@@ -627,16 +629,29 @@ def test_watermark_keeps_layout_but_not_layers():
 def test_append_layers_count_back_to_the_last_whole_write():
     from dbt_ivm.refresh import append_layers
 
-    def row(op, mode=None, rows=None):
-        return (1, None, None, None, op, {"mode": mode} if mode else {}, None, None, None, 0, None, False,
-                {"numOutputRows": str(rows)} if rows is not None else {})
+    def row(op, mode=None, rows=None, predicate=None, mark=None):
+        params = {k: v for k, v in (("mode", mode), ("predicate", predicate)) if v}
+        return [op, params, {"numOutputRows": str(rows)} if rows is not None else {}, mark]
+
+    def history(*rows):  # newest first, versions counting down
+        return [(len(rows) - i, None, None, None, op, params, None, None, None, 0, None, False, metrics, mark)
+                for i, (op, params, metrics, mark) in enumerate(rows)]
 
     appended = [row("WRITE", "Append", 10), row("SET TBLPROPERTIES"), row("WRITE", "Append", 5)]
-    assert append_layers(appended + [row("WRITE", "Overwrite", 90)]) == (2, 15, 90)
-    assert append_layers(appended + [row("CREATE OR REPLACE TABLE AS SELECT", rows=70)]) == (2, 15, 70)
+    assert append_layers(history(*appended, row("WRITE", "Overwrite", 90))) == (2, 15, 90, 1)
+    assert append_layers(history(*appended, row("CREATE OR REPLACE TABLE AS SELECT", rows=70))) == (2, 15, 70, 1)
     # layers since a MERGE (the layout became append) or beyond the rows read: base unknown
-    assert append_layers(appended + [row("MERGE"), row("WRITE", "Overwrite", 90)]) == (2, 15, None)
-    assert append_layers(appended) == (2, 15, None)
+    assert append_layers(history(*appended, row("MERGE"), row("WRITE", "Overwrite", 90))) == (2, 15, None, None)
+    assert append_layers(history(*appended)) == (2, 15, None, None)
+    # a partition refresh replaced some partitions: the layers of the others stay, counted on
+    part = row("WRITE", "Overwrite", 7, predicate="d IN (1)", mark='{"dbt_ivm":1}')
+    assert append_layers(history(*appended, part, row("WRITE", "Append", 1), row("WRITE", "Overwrite", 90))) == \
+        (3, 16, 90, 1)
+    # a compaction of the partitions holding layers is a base, standing for the rows it names
+    folded = row("WRITE", "Overwrite", 7, predicate="d IN (1)", mark='{"dbt_ivm_maintenance":1,"folded_rows":88}')
+    assert append_layers(history(*appended, folded, row("WRITE", "Append", 1))) == (2, 15, 88, 2)
+    unknown = row("WRITE", "Overwrite", 7, predicate="d IN (1)", mark='{"dbt_ivm_maintenance":1,"folded_rows":null}')
+    assert append_layers(history(*appended, unknown)) == (2, 15, None, 1)
 
 
 def test_a_layered_upstream_rebuilds_with_its_reason():
