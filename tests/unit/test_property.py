@@ -107,7 +107,7 @@ def run(count: int, seed: int) -> dict:
             tally[u.reason.code] += 1
             try:  # the rebuild path: the model's own SQL, pinned
                 sqlglot.parse_one(apply.pinned_query(sql, [CATALOG.get(n) for n in _read(sql)], {}), read=DIALECT)
-            except Exception as e:  # noqa: BLE001 - the property under test
+            except Exception:  # noqa: BLE001 - the property under test
                 failures.append(("pinned query", sql, traceback.format_exc(limit=3)))
             continue
         except IvmConfigError:
