@@ -23,7 +23,7 @@ from dbt_ivm.config import APPEND, MERGE, validate_config
 from dbt_ivm.delta import table_changes
 from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
 from dbt_ivm.names import DIALECT, canonical, set_value
-from dbt_ivm.plan import BAG, Plan, build_plan, referenced_tables, signature
+from dbt_ivm.plan import AGGREGATE, BAG, Plan, build_plan, referenced_tables, signature
 from dbt_ivm.refresh import full, history, incremental, partition
 from dbt_ivm.refresh.decide import (
     _REBUILD_REASONS, CREATE, FULL, INCREMENTAL, NOOP, NOT_PARTITIONED, PARTITION, SMALL_CHANGE, Decision, Result,
@@ -202,6 +202,11 @@ class Refresher:
         if decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and self.layout != APPEND:
             decision = Decision(FULL, Reason(
                 "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
+        elif decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and self.partition_by \
+                and plan is not None and plan.kind == AGGREGATE and not watermark.keyed_layers:
+            decision = Decision(FULL, Reason(
+                "STATE_LAYOUT_CHANGED", "an earlier dbt-ivm appended this partitioned state's layers to its NULL "
+                "partition, outside their groups' partitions: a partition refresh or compaction would miss them"))
         elif decision.strategy == PARTITION:
             self.layout = watermark.layout  # the view it finds reads the rows it writes
         self.phases["decide"] = round(time.time() - start - sum(self.phases.values()), 3)
@@ -409,7 +414,7 @@ class Refresher:
             strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
             change_feed=self.change_feed, run=self.run_id, deletion_vectors=self.deletion_vectors,
             recomputed=self.recomputed, layout=self.layout, started=self.started, settled=self.settled,
-            rebuild_seconds=self.rebuild_seconds, units=self.units,
+            rebuild_seconds=self.rebuild_seconds, units=self.units, keyed_layers=True,
             changes=self.changes if decision.strategy == INCREMENTAL else None, view=self.view_key,
             replaced=self.replaced if decision.strategy == PARTITION else None,
             partitions=self._partitions_known()[0], partitions_age=self._partitions_known()[1],

@@ -99,3 +99,30 @@ def test_a_compaction_folds_only_the_partitions_holding_layers(project):
     _change(8, 40)
     out = _run(project, "incremental")
     assert not any("compacted" in out.response(m)["rows"] for m in MODELS), out.response("agg")
+
+
+def test_layers_written_before_they_kept_their_partition_are_rebuilt(project):
+    """A state whose newest watermark predates layers carrying their visible
+    key columns (an earlier dbt-ivm put an aggregate's layer rows in the NULL
+    partition) is rebuilt with the reason before any partition-wise write;
+    plain rows always carried theirs."""
+    import json
+
+    from dbt_ivm.names import set_value
+
+    state = f"{OUT}.agg__ivm_state"
+    # DESCRIBE HISTORY, newest first: column 13 is userMetadata
+    old = next(json.loads(r[13]) for r in sql(f"describe history {state}") if "keyed_layers" in (r[13] or ""))
+    del old["keyed_layers"]
+    sql(f"set spark.databricks.delta.commitInfo.userMetadata={set_value(json.dumps(old, separators=(',', ':')))}")
+    try:
+        sql(f"alter table {state} set tblproperties ('dbt_ivm_test.touched' = 'yes')")
+    finally:
+        sql("reset spark.databricks.delta.commitInfo.userMetadata")
+    _change(9, 50)
+    out = _run(project, "incremental")
+    assert (out.code("agg"), out.response("agg")["reason"]) == ("FULL", "STATE_LAYOUT_CHANGED"), out.response("agg")
+    assert out.code("rows") == "INCREMENTAL", out.response("rows")
+    _change(9, 51)
+    out = _run(project, "incremental")
+    assert out.code("agg") == "INCREMENTAL", out.response("agg")
