@@ -133,7 +133,12 @@ def _bag_layer(plan: Plan, state: str, window: Window) -> Optional[str]:
     return f"INSERT INTO {canonical(state)} {_unit_rows(change, plan.columns, COUNT, False)}"
 
 
-def _folded_bag(cols: list[str], state: str) -> str:
+def _state_rows(state: str, where: Optional[str]) -> str:
+    """The state as a relation to alias: the table, or its rows matching ``where``."""
+    return canonical(state) if where is None else f"(SELECT * FROM {canonical(state)} WHERE {where})"
+
+
+def _folded_bag(cols: list[str], state: str, where: Optional[str] = None) -> str:
     """A layered bag's rows, as unit state rows. Every row of a bag's state is
     a unit row (COUNT 1) except a layer's removals (negative) and, in a state
     written under the merge layout, consolidated duplicates (> 1). Rows whose
@@ -142,14 +147,14 @@ def _folded_bag(cols: list[str], state: str) -> str:
     where no copy is left, and repeated. The second branch scans the state
     again even when it finds nothing (measured: a read costs 1.4-1.9x the
     state's scan with no such RID, about 3x with a few; BENCHMARKS.md)."""
-    b, n = f"{PREFIX}b", f"{PREFIX}n"
+    b, n, rows = f"{PREFIX}b", f"{PREFIX}n", _state_rows(state, where)
     listed = ", ".join(f"{b}.{ident(c)}" for c in cols)
-    odd = (f"(SELECT {RID} FROM {canonical(state)} "
+    odd = (f"(SELECT {RID} FROM {rows} AS {PREFIX}o "
            f"WHERE {COUNT} < 1 OR {COUNT} > 1) AS {n}")  # no DISTINCT: a shuffle for nothing
     on = f"{b}.{RID} = {n}.{RID}"
-    kept = (f"SELECT /*+ BROADCAST({n}) */ {listed}, {b}.{RID}, {b}.{COUNT} FROM {canonical(state)} AS {b} "
+    kept = (f"SELECT /*+ BROADCAST({n}) */ {listed}, {b}.{RID}, {b}.{COUNT} FROM {rows} AS {b} "
             f"LEFT ANTI JOIN {odd} ON {on}")
-    summed = (f"SELECT /*+ BROADCAST({n}) */ {listed}, SUM({b}.{COUNT}) AS {COUNT} FROM {canonical(state)} AS {b} "
+    summed = (f"SELECT /*+ BROADCAST({n}) */ {listed}, SUM({b}.{COUNT}) AS {COUNT} FROM {rows} AS {b} "
               f"LEFT SEMI JOIN {odd} ON {on} GROUP BY {listed} HAVING SUM({b}.{COUNT}) > 0")
     return f"{kept} UNION ALL {_unit_rows(summed, cols, COUNT, False)}"
 
@@ -494,17 +499,19 @@ def append_statement(plan: Plan, state: str, window: Window, types: dict) -> Opt
     return f"INSERT INTO {canonical(state)} SELECT {', '.join(select)} FROM ({change}) AS s WHERE {nonzero}"
 
 
-def folded_state(plan: Plan, state: str, types: dict) -> str:
+def folded_state(plan: Plan, state: str, types: dict, where: Optional[str] = None) -> str:
     """The state rows of a layered state: each group's rows (the base and every
     appended layer) summed, groups with no rows left dropped, and the visible
     columns finalised by the same constructor as a full build (_new_state). The
-    view of an append-layout model reads this; compaction writes it back."""
+    view of an append-layout model reads this; compaction writes it back
+    (``where``: only the state rows it matches are read — a predicate on the
+    partition columns, which every row of a group shares)."""
     if plan.kind == BAG:
-        return _folded_bag(plan.columns, state)
+        return _folded_bag(plan.columns, state, where)
     keys = plan.key_columns
     sums = [f"SUM({c}) AS {c}" for c in [COUNT] + _partials(plan)]
     group = f" GROUP BY {', '.join(keys)} HAVING SUM({COUNT}) > 0" if keys else ""
-    folded = f"SELECT {', '.join(keys + sums)} FROM {canonical(state)}{group}"
+    folded = f"SELECT {', '.join(keys + sums)} FROM {_state_rows(state, where)} AS {PREFIX}st{group}"
     cols = _new_state(plan, None, types)
     select = ", ".join(f"{v} AS {ident(k)}" for k, v in cols.items())
     return f"SELECT {select} FROM ({folded}) AS s"

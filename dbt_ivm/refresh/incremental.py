@@ -228,17 +228,16 @@ def fold(r: "Refresher", plan: Plan, types: dict, result: Result, layers: Layers
     layer; an append that commits after it conflicts with nothing.
     Maintenance only: a failure leaves the refresh as it is and is retried
     next time."""
-    folded = apply.folded_state(plan, r.state, types)
     try:
         scope = _layered_partitions(r, layers, version, types)
         if scope is None:
             with r.maintenance():
-                r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {folded}")
+                r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {apply.folded_state(plan, r.state, types)}")
         else:
             cond, result.rows["partitions_folded"] = scope
+            folded = apply.folded_state(plan, r.state, types, cond)
             with r.maintenance(json.dumps({"dbt_ivm_maintenance": 1, FOLDED: layers.base}, separators=(",", ":"))):
-                r.ex.query(f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} "
-                           f"SELECT * FROM ({folded}) AS {ident(PREFIX + 'f')} WHERE {cond}")
+                r.ex.query(f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} {folded}")
         result.rows["compacted"] = 1
     except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
         result.rows["compaction_failed"] = 1
