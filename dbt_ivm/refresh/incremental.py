@@ -18,7 +18,7 @@ from dbt_ivm.plan import BAG, PREFIX, Plan
 from dbt_ivm.refresh.decide import INCREMENTAL, NOOP, Decision, Result
 from dbt_ivm.refresh.facts import delta_partition_changes
 from dbt_ivm.refresh.log import FOLDED, Layers, _as_map
-from dbt_ivm.refresh.watermark import Watermark, _failpoint
+from dbt_ivm.refresh.watermark import Watermark, _failpoint, delta_conflict
 
 if TYPE_CHECKING:
     from dbt_ivm.refresh.refresher import Refresher
@@ -227,17 +227,30 @@ def fold(r: "Refresher", plan: Plan, types: dict, result: Result, layers: Layers
     table: ConcurrentAppendException, checked by hand), never lose the
     layer; an append that commits after it conflicts with nothing.
     Maintenance only: a failure leaves the refresh as it is and is retried
-    next time."""
+    next time; a partition-wise fold that fails on anything but a concurrent
+    commit (Delta refusing a row outside the partitions it replaces) folds
+    the whole state instead, saying so."""
+    def whole() -> None:
+        with r.maintenance():
+            r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {apply.folded_state(plan, r.state, types)}")
+
     try:
         scope = _layered_partitions(r, layers, version, types)
         if scope is None:
-            with r.maintenance():
-                r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {apply.folded_state(plan, r.state, types)}")
+            whole()
         else:
-            cond, result.rows["partitions_folded"] = scope
+            cond, count = scope
             folded = apply.folded_state(plan, r.state, types, cond)
-            with r.maintenance(json.dumps({"dbt_ivm_maintenance": 1, FOLDED: layers.base}, separators=(",", ":"))):
-                r.ex.query(f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} {folded}")
+            try:
+                with r.maintenance(json.dumps({"dbt_ivm_maintenance": 1, FOLDED: layers.base},
+                                              separators=(",", ":"))):
+                    r.ex.query(f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} {folded}")
+                result.rows["partitions_folded"] = count
+            except Exception as e:  # noqa: BLE001 - see below
+                if delta_conflict(e):
+                    raise
+                result.notes.append(f"compaction by partition failed ({str(e)[:200]}): compacted whole")
+                whole()
         result.rows["compacted"] = 1
     except Exception as e:  # noqa: BLE001 - reported in the result, the data is already right
         result.rows["compaction_failed"] = 1

@@ -32,7 +32,7 @@ from dbt_ivm.refresh.decide import (
 from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, describe_source, relations_present
 from dbt_ivm.refresh.full import _digest, _properties
 from dbt_ivm.refresh.log import Executor, describe_history, history_head, window_estimate
-from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, read_watermark, state_name
+from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, delta_conflict, read_watermark, state_name
 from sqlglot import exp
 
 
@@ -79,21 +79,6 @@ _MISSING_HISTORY = re.compile(
     r"|DELTA_FILE_NOT_FOUND|DELTA_LOG_FILE_NOT_FOUND|DELTA_VERSIONS_NOT_CONTIGUOUS"
     r"|DELTA_CANNOT_TIME_TRAVEL|DELTA_VERSION_NOT_FOUND|VersionNotFoundException|FileNotFoundException"
 )
-
-
-# Delta's optimistic-concurrency conflicts: another commit to the state table
-# (a concurrent refresh's MERGE, layer or compaction) won; the failed write
-# committed nothing (delta.io/latest/concurrency-control.html).
-_CONCURRENT = re.compile(
-    r"DELTA_CONCURRENT_(TRANSACTION|APPEND|DELETE_READ|DELETE_DELETE|WRITE)|DELTA_METADATA_CHANGED"
-    r"|DELTA_PROTOCOL_CHANGED|Concurrent(Transaction|Append|DeleteRead|DeleteDelete|Write)Exception"
-)
-
-
-def _conflict(e: BaseException) -> Optional[str]:
-    """Delta's name for the concurrent-commit conflict ``e`` is, or None."""
-    found = _CONCURRENT.search(str(e))
-    return found.group(0) if found else None
 
 
 def _cdf_unavailable(e: BaseException) -> Reason:
@@ -216,7 +201,7 @@ class Refresher:
         try:
             self._apply(plan, sources, sig, decision, part, state_exists, watermark, result)
         except Exception as e:
-            conflict = _conflict(e) if state_exists else None
+            conflict = delta_conflict(e) if state_exists else None
             if conflict is None:
                 raise
             result.strategy, result.reason, result.rows = NOOP, self._lost(conflict, decision.strategy, watermark), {}

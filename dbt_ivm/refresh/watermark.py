@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
@@ -208,6 +209,21 @@ def measured_costs(history: list[tuple]) -> dict:
     if "full" not in out and carried is not None:
         out["full"] = carried
     return out
+
+
+# Delta's optimistic-concurrency conflicts: another commit to the state table
+# (a concurrent refresh's MERGE, layer or compaction) won; the failed write
+# committed nothing (delta.io/latest/concurrency-control.html).
+_CONCURRENT = re.compile(
+    r"DELTA_CONCURRENT_(TRANSACTION|APPEND|DELETE_READ|DELETE_DELETE|WRITE)|DELTA_METADATA_CHANGED"
+    r"|DELTA_PROTOCOL_CHANGED|Concurrent(Transaction|Append|DeleteRead|DeleteDelete|Write)Exception"
+)
+
+
+def delta_conflict(e: BaseException) -> Optional[str]:
+    """Delta's name for the concurrent-commit conflict ``e`` is, or None."""
+    found = _CONCURRENT.search(str(e))
+    return found.group(0) if found else None
 
 
 # userMetadata of dbt-ivm's maintenance writes of a state (compaction).

@@ -693,6 +693,6 @@ def test_a_source_recreated_at_the_same_version_is_rewound():
     ("[DELTA_MISSING_CHANGE_DATA] Error getting change data", None),
 ])
 def test_a_refresh_losing_a_race_is_told_from_other_errors(text, conflict):
-    from dbt_ivm.refresh.refresher import _conflict
+    from dbt_ivm.refresh.watermark import delta_conflict
 
-    assert _conflict(RuntimeError(text)) == conflict
+    assert delta_conflict(RuntimeError(text)) == conflict
