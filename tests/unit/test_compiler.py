@@ -154,6 +154,16 @@ def test_append_layout_statements():
     assert "HAVING" not in folded_state(scalar, "db.s", {"n": "bigint", "s": "double"})
     for sql in ("select i, min(j) as m from db.a group by i", "select distinct i from db.a"):
         assert not append_eligible(build_plan(sql, cat))
+    # columns of the keys alone, expressions too, carry their values; one mixing in an aggregate is NULL
+    mixed = build_plan("select i + 1 as i1, j, count(*) + i as ni from db.a group by i + 1, j, i", cat)
+    layer = append_statement(mixed, "db.s", Window(old={"db.a": 2}, new={"db.a": 3}),
+                             {"i1": "int", "j": "int", "ni": "bigint"})
+    sqlglot.parse_one(layer, read="spark")
+    assert layer.startswith("INSERT INTO `db`.`s` SELECT CAST((s.__ivm_k0) AS int) AS `i1`, "
+                            "CAST((s.__ivm_k1) AS int) AS `j`, CAST(NULL AS bigint) AS `ni`")
+    # a compaction of some partitions reads only their rows
+    assert "FROM (SELECT * FROM `db`.`s` WHERE `i` = 1) AS __ivm_st GROUP BY" in folded_state(
+        plan, "db.s", types, "`i` = 1")
 
 
 def test_append_layout_of_a_bag():
@@ -190,6 +200,10 @@ def test_append_layout_of_a_bag():
     assert "CASE WHEN __ivm_u.__ivm_count > 0 THEN 1 ELSE __ivm_u.__ivm_count END" in insert
     assert "LEFT ANTI JOIN" in folded and "LEFT SEMI JOIN" in folded and "__ivm_count < 1 OR __ivm_count > 1" in folded
     assert append_statement(plan, "db.s", Window(old={"db.a": 3}, new={"db.a": 3}), {}) is None
+    # a compaction of some partitions: each of the fold's three scans of the state reads only their rows
+    scoped = folded_state(plan, "db.s", {}, "`i` = 1")
+    sqlglot.parse_one(scoped, read="spark")
+    assert scoped.count("(SELECT * FROM `db`.`s` WHERE `i` = 1)") == 3 and scoped.count("`db`.`s`") == 3
     # a query only ever rebuilt is kept as unit rows too
     assert "GROUP BY" not in bag_state_of_query("SELECT 1 AS x", ["x"])
 
