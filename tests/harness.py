@@ -135,12 +135,19 @@ def _test_overrides() -> dict:
         # the tests commit thousands of times. The demo and the crash test keep
         # the default, so checkpoints still happen under test.
         "spark.databricks.delta.properties.defaults.checkpointInterval": "1000",
+        # One JVM runs the whole Spark tier (~450 tests, thousands of dbt runs,
+        # TPC-H with 4 threads near the end): with the adapter's 4g default it
+        # ran out in the twenty-fourth session's fresh-clone run, 45 min in —
+        # TPC-H's "dimension moves" batch failed to build a broadcast of `nation`
+        # ("Not enough memory to build and broadcast the table"). The machine has
+        # 24 GiB; the thrift tier's cluster runs after this JVM has exited.
+        "spark.driver.memory": "6g",
     }
 
 
 def _session_overrides() -> dict:
-    """The overrides a server session can take (not the master: the server's JVM is up)."""
-    return {k: v for k, v in _test_overrides().items() if k != "spark.master"}
+    """The overrides a server session can take (not the master or the heap: the server's JVM is up)."""
+    return {k: v for k, v in _test_overrides().items() if k not in ("spark.master", "spark.driver.memory")}
 
 
 def sql(statement: str) -> list:
