@@ -180,6 +180,8 @@ class Refresher:
         if decision.strategy in (INCREMENTAL, PARTITION) and self.config["ivm_policy"] == "auto" \
                 and self.config["ivm_cost_rule"] == "auto":
             decision, estimated = self._cheapest(decision, part, watermark)
+        if not self.sized and watermark is not None:
+            self._carry_rows(sources, watermark)
         self._settle_dvs(watermark, decision.strategy == INCREMENTAL)
         # A partition refresh keeps the layout it finds (a switch to append
         # re-creates the view, which only the incremental path does).
@@ -557,6 +559,25 @@ class Refresher:
         totals = [t if t is not None else derived.get(n) for n, (_, t, _) in sizes.items()]
         self.source_total = sum(totals) if totals and None not in totals else None
         return {n: (c, t) for n, (c, t, _) in sizes.items()}
+
+    def _carry_rows(self, sources, watermark: Watermark) -> None:
+        """The sources' row counts the watermark recorded, carried to the new
+        versions by the window's net rows from the commit metrics already read
+        (no Spark job), for a refresh that did not size the change (a rebuild,
+        a partition refresh, a NOOP): else the next incremental refresh counts
+        them again (0.1-0.6 s at 1 M rows; docs/NOTES.md, twenty-sixth
+        session). A count the metrics cannot carry is dropped, and counted
+        when next needed."""
+        old = watermark.versions()
+        for s in sources:
+            before = self.source_rows.get(s.physical)
+            if before is None or old.get(s.physical) is None or s.version is None:
+                self.source_rows[s.physical] = None
+                continue
+            lo, hi = int(old[s.physical]), int(s.version)
+            net = 0 if lo == hi else window_estimate(self.histories.get(s.physical) or [], lo, hi)[1]
+            self.source_rows[s.physical] = before + net if net is not None and before + net >= 0 else None
+        self.sized = True
 
     def my_commit(self) -> Optional[tuple]:
         """The state's recent commit made by this refresh (its DESCRIBE HISTORY

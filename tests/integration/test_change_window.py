@@ -98,6 +98,13 @@ def test_a_change_of_most_rows_rebuilds(project):
     sql(f"delete from {SRC}.big where v >= 100")  # most rows: judged on the carried count
     r = _run(project, "agg_big")
     assert (r["code"], r["reason"]) == ("FULL", "CHANGE_TOO_LARGE"), r
+    assert _recorded_rows("agg_big") == count()
+    # a rebuild that does not size the change (--full-refresh) carries the count too
+    sql(f"insert into {SRC}.big select id % 10, id from range(0, 7)")
+    sql(f"delete from {SRC}.big where v = 2")
+    out = project.dbt("run", "--select", "agg_big", "--full-refresh")
+    assert out.success and out.response("agg_big")["reason"] == "FULL_REFRESH", out.response("agg_big")
+    assert _recorded_rows("agg_big") == count()
 
 
 def _recorded_rows(model: str):
