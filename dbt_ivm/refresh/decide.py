@@ -251,15 +251,20 @@ def partition_floor(costs: dict, replaced: int) -> Optional[float]:
 
 def _retry(costs: dict, changes: Optional[int]) -> bool:
     """Whether INCREMENTAL, passed over for cost, is due to be measured anew
-    (RETRY_AFTER, RETRY_GROWTH): only against a refresh measured among the
-    commits read — once those aged out, the prior estimate decides alone
-    (measured at 1 M rows: a window model whose incremental refreshes had
-    aged out behind 20 partition refreshes retried one at 220 k changed rows,
-    17 s against a 4–6 s rebuild)."""
+    (RETRY_AFTER, RETRY_GROWTH): for a change within RETRY_GROWTH of the
+    largest measured among the commits read — or, with none measured there
+    (never, or aged out), of SMALL_CHANGE, the size INCREMENTAL_PRIOR_S
+    describes. Without that bound a retry bets on an extrapolation (measured
+    at 1 M rows: a window model whose incremental refreshes had aged out
+    behind 20 partition refreshes retried one at 220 k changed rows, 17 s
+    against a 4–6 s rebuild); without the retry of a never-measured one, a
+    rebuild estimated a little under the prior is taken forever (measured at
+    1 M rows: TPC-H q1 rebuilt in 2.0 s for every 0.01–0.1 % change, where its
+    incremental refresh took 1.3 s)."""
     if costs.get("rebuilt", 0) < RETRY_AFTER:
         return False
     sizes = [c for _, c in costs.get("incremental_points") or []]
-    return bool(sizes) and (changes is None or changes <= RETRY_GROWTH * max(max(sizes), 1))
+    return changes is None or changes <= RETRY_GROWTH * max(max(sizes) if sizes else SMALL_CHANGE, 1)
 
 
 def cheapest(candidates: list, est: dict, costs: dict, changes: Optional[int] = None) -> tuple[str, Optional[Reason]]:
@@ -272,7 +277,8 @@ def cheapest(candidates: list, est: dict, costs: dict, changes: Optional[int] = 
     within RETRY_WITHIN of the cheapest (a gap wider than any one-off slowness
     is not worth paying again; the measurement ages out of the 20 commits
     read, and INCREMENTAL is tried again then) and the change (``changes``
-    rows) is within RETRY_GROWTH of the largest measured. An INCREMENTAL not
+    rows) is within RETRY_GROWTH of the largest measured (of SMALL_CHANGE
+    with none measured among the commits read: _retry). An INCREMENTAL not
     measured yet (its estimate a prior) gives way to a rebuild only while no
     partition refresh was measured either: it is taken once to measure it
     rather than a partition refresh whose estimate is a share of the
@@ -293,6 +299,9 @@ def cheapest(candidates: list, est: dict, costs: dict, changes: Optional[int] = 
     >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (3.0, "f")},
     ...          {"rebuilt": RETRY_AFTER, "incremental_points": [(5.0, 100)]}, changes=10_000)[0]
     'FULL'
+    >>> never = {INCREMENTAL: (2.0, "prior"), FULL: (1.9, "the last rebuild")}
+    >>> [cheapest([INCREMENTAL, FULL], never, {"rebuilt": n}, 1000)[0] for n in (RETRY_AFTER - 1, RETRY_AFTER)]
+    ['FULL', 'INCREMENTAL']
     >>> cheapest([PARTITION, FULL], {PARTITION: (3.0, "p")}, {})  # no rebuild measured: no opinion
     ('PARTITION', None)
     """

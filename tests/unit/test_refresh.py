@@ -450,7 +450,7 @@ def test_cost_rule_retries_incremental_only_like_the_one_measured():
     measured anew — for a change like the one measured (within RETRY_GROWTH),
     not as a bet on an extrapolation (1 M rows, a window: 3.6 s for 100
     changed rows, 10.6 s for 10 k, where replacing the days took 2–3 s)."""
-    from dbt_ivm.refresh.decide import RETRY_AFTER, RETRY_GROWTH, cheapest
+    from dbt_ivm.refresh.decide import RETRY_AFTER, RETRY_GROWTH, SMALL_CHANGE, cheapest
 
     chain = ["INCREMENTAL", "PARTITION", "FULL"]
     est = {"INCREMENTAL": (3.9, "m"), "PARTITION": (2.8, "p"), "FULL": (5.4, "f")}
@@ -460,9 +460,12 @@ def test_cost_rule_retries_incremental_only_like_the_one_measured():
     assert cheapest(chain, est, costs, int(100 * RETRY_GROWTH)) == ("INCREMENTAL", None)
     assert cheapest(chain, est, costs, 10_000)[0] == "PARTITION"
     assert cheapest(chain, est, {**costs, "rebuilt": RETRY_AFTER - 1}, 100)[0] == "PARTITION"
-    # nothing measured among the commits read (aged out): no retry, the prior decides
+    # nothing measured among the commits read (aged out, or never): retried only
+    # for a change within RETRY_GROWTH of the small one the prior describes
     aged = {k: v for k, v in costs.items() if not k.startswith("incremental")}
-    assert cheapest(chain, est, aged, 100)[0] == "PARTITION"
+    assert cheapest(chain, est, aged, 100) == ("INCREMENTAL", None)
+    assert cheapest(chain, est, aged, int(RETRY_GROWTH * SMALL_CHANGE) + 1)[0] == "PARTITION"
+    assert cheapest(chain, est, {**aged, "rebuilt": RETRY_AFTER - 1}, 100)[0] == "PARTITION"
     # an incremental refresh not measured yet is weighed against a measured partition refresh
     unmeasured = {"full": 5.4, "partition": (1.4, 1), "partition_points": [(1.4, 1)]}
     est = {"INCREMENTAL": (2.0, "prior"), "PARTITION": (1.4, "p"), "FULL": (5.4, "f")}
