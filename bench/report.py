@@ -156,9 +156,11 @@ def plot(cells, path: Path) -> None:
 
     m = [r for r in mixed_table(cells) if abs(r["change"] - 0.001) < 1e-12]
     fig, ax = plt.subplots(figsize=(8, 5))
-    for shape in sorted({r["shape"] for r in m}):
+    for i, shape in enumerate(sorted({r["shape"] for r in m})):
         pts = sorted((r["rows"], r["r_plain"]) for r in m if r["shape"] == shape)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=shape)
+        # the default cycle has ten colours: past them, another marker and line
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^"[i // 10 % 3],
+                linestyle="-" if i < 10 else "--", label=shape)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xscale("log")
     ax.set_xlabel("source rows (lineitem)")
