@@ -25,16 +25,53 @@ from typing import Iterable, Union
 
 from sqlglot import exp
 from sqlglot.dialects.spark import Spark
-from sqlglot.errors import ParseError, TokenError
+from sqlglot.errors import ErrorLevel, ParseError, TokenError
+
+
+def _call(name: str, *keys: str):
+    """A Spark function written back with every argument it was parsed with
+    (``keys``: the node's arguments in Spark's order, trailing absent ones
+    left out)."""
+    def render(self, expression: exp.Expression) -> str:
+        args = [expression.args.get(k) for k in keys]
+        while args and args[-1] is None:
+            args.pop()
+        return self.func(name, *args)
+    return render
 
 
 class IvmSpark(Spark):
-    """Spark SQL as sqlglot writes it, with quoting fixed where its generator
-    drops quotes: the table alias of ``LATERAL VIEW f(...) alias AS cols``
-    (sqlglot 30 renders ``alias.name`` bare, so an alias holding ``--`` turned
-    the rest of a query into a comment)."""
+    """Spark SQL as sqlglot writes it, with two fixes:
+
+    * quoting where its generator drops quotes: the table alias of
+      ``LATERAL VIEW f(...) alias AS cols`` (sqlglot 30 renders ``alias.name``
+      bare, so an alias holding ``--`` turned the rest of a query into a comment);
+    * an argument its Spark generator cannot write is an error, never dropped
+      (``unsupported_level`` RAISE; sqlglot's default warns and writes the call
+      without it — ``max_by(x, y, 3)`` became ``MAX_BY(x, y)``, ``to_char(d,
+      'yyyy')`` a cast to string: another query, silently). The three calls
+      found so far are written back as Spark reads them (``_call``); any other
+      raises ``UnsupportedError``, which ``plan.parse`` turns into a
+      configuration error naming the construct.
+    """
 
     class Generator(Spark.Generator):
+        TRANSFORMS = {
+            **Spark.Generator.TRANSFORMS,
+            exp.ArgMax: _call("MAX_BY", "this", "expression", "count"),
+            exp.ArgMin: _call("MIN_BY", "this", "expression", "count"),
+            exp.Levenshtein: _call("LEVENSHTEIN", "this", "expression", "ins_cost"),
+        }
+
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("unsupported_level", ErrorLevel.RAISE)
+            super().__init__(*args, **kwargs)
+
+        def tochar_sql(self, expression: exp.ToChar) -> str:
+            if expression.args.get("format") is None:
+                return super().tochar_sql(expression)
+            return self.func("TO_CHAR", expression.this, expression.args["format"])
+
         def lateral_sql(self, expression: exp.Lateral) -> str:
             if not expression.args.get("view"):
                 return super().lateral_sql(expression)

@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import sqlglot
 from sqlglot import exp
-from sqlglot.errors import OptimizeError, ParseError, TokenError
+from sqlglot.errors import OptimizeError, ParseError, TokenError, UnsupportedError
 from sqlglot.optimizer.qualify import qualify
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import TokenType
@@ -215,6 +215,13 @@ def parse(sql: str) -> exp.Expression:
                     "a name has one to three non-empty parts (catalog.schema.table).") from None
     _unwrap_tables(tree)
     _unique_ctes(tree)
+    try:  # every SQL dbt-ivm writes is rendered from this tree: check it can be, faithfully
+        tree.sql(dialect=DIALECT)
+    except UnsupportedError as e:
+        raise IvmConfigError(
+            f"UNWRITABLE_SQL: incremental_mv cannot write the model SQL back as Spark reads it: {e} "
+            "(sqlglot would drop that argument and change the query). Rewrite the call with the "
+            "arguments Spark's documentation lists, or compute it in an upstream view or table model.") from None
     return tree
 
 

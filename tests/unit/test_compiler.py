@@ -4,6 +4,9 @@ from pathlib import Path
 
 import pytest
 
+import sqlglot
+
+from dbt_ivm.apply import pinned_query
 from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.errors import IvmConfigError, UnsupportedQuery
 from sqlglot import exp
@@ -65,6 +68,24 @@ def test_unknown_column_is_left_to_spark_with_a_reason():
 def test_not_a_select_is_a_config_error():
     with pytest.raises(IvmConfigError, match="SELECT"):
         build_plan("delete from db.a where i = 1", CATALOG)
+
+
+@pytest.mark.parametrize("call", [
+    "max_by(d, j, 3)", "min_by(d, j, 2)",  # Spark 4's top-n forms: arrays, not scalars
+    "to_char(d, '999.9')",  # a format, not a cast to string
+    "levenshtein(cast(i as string), cast(j as string), 2)",  # a threshold
+])
+def test_calls_are_written_back_with_every_argument(call):
+    # sqlglot's Spark writer drops these arguments (with a warning): another query
+    sql = f"select i, {call} as x from db.a group by i"
+    written = pinned_query(sql, [], {})  # the SQL a rebuild runs
+    assert sqlglot.parse_one(written, read="spark") == sqlglot.parse_one(sql, read="spark"), written
+
+
+def test_sql_that_cannot_be_written_faithfully_is_a_config_error():
+    # an argument sqlglot cannot write for Spark raises, never drops silently
+    with pytest.raises(IvmConfigError, match="UNWRITABLE_SQL.*TRY"):
+        build_plan("select try(i / j) as x from db.a", CATALOG)
 
 
 def test_signature_changes_with_sql_and_schema():
