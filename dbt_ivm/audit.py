@@ -8,14 +8,21 @@ recompute, so the last bits may differ.
 
 from __future__ import annotations
 
+from sqlglot import exp
+
 from dbt_ivm.apply import pinned_query
 from dbt_ivm.plan import PREFIX
-from dbt_ivm.names import canonical, ident, string
+from dbt_ivm.sqltree import alias, and_, call, col, cte, or_, paren, render, select, string, table, union_all
 
 TOLERANCE = 1e-9
 RN = f"{PREFIX}rn"
 SIDE = "ivm_side"
 MISSING, EXTRA = "missing_from_mv", "extra_in_mv"
+
+
+def _read(name: str) -> exp.Table:
+    """One of the audit's CTEs, by name."""
+    return exp.Table(this=exp.to_identifier(name, quoted=True))
 
 
 def consistency_sql(watermark, relation: str, tolerance: float = TOLERANCE) -> str:
@@ -25,50 +32,65 @@ def consistency_sql(watermark, relation: str, tolerance: float = TOLERANCE) -> s
     >>> wm = Watermark("s", "bag", "select a from db.t", {"a": "int"},
     ...                [{"name": "db.t", "kind": "delta", "physical": "db.t",
     ...                  "multiplicity": None, "columns": [["a", "int"]], "version": 3}])
-    >>> print(consistency_sql(wm, "db.mv"))  # doctest: +NORMALIZE_WHITESPACE
-    WITH __ivm_expected AS (SELECT a FROM db.t VERSION AS OF 3), __ivm_actual AS (SELECT `a` FROM `db`.`mv`)
-    SELECT 'missing_from_mv' AS ivm_side, * FROM (SELECT * FROM __ivm_expected EXCEPT ALL SELECT * FROM __ivm_actual)
-    UNION ALL SELECT 'extra_in_mv' AS ivm_side, * FROM (SELECT * FROM __ivm_actual EXCEPT ALL SELECT * FROM __ivm_expected)
+    >>> print(consistency_sql(wm, "db.mv").replace(" UNION ALL ", chr(10) + "UNION ALL "))
+    WITH `__ivm_expected` AS (SELECT a FROM db.t VERSION AS OF 3), `__ivm_actual` AS (SELECT `a` FROM `db`.`mv`) SELECT 'missing_from_mv' AS `ivm_side`, * FROM (SELECT * FROM `__ivm_expected` EXCEPT ALL SELECT * FROM `__ivm_actual`)
+    UNION ALL SELECT 'extra_in_mv' AS `ivm_side`, * FROM (SELECT * FROM `__ivm_actual` EXCEPT ALL SELECT * FROM `__ivm_expected`)
     """
     expected = pinned_query(watermark.sql, watermark.source_objects(), watermark.versions())
     columns = list(watermark.columns)
-    listed = ", ".join(ident(c) for c in columns)
     # CTE names of our own (reserved prefix): the model's SQL may name its CTEs anything
     exp_, act, pairs_ = f"{PREFIX}expected", f"{PREFIX}actual", f"{PREFIX}pairs"
-    head = f"WITH {exp_} AS ({expected}), {act} AS (SELECT {listed} FROM {canonical(relation)})"
+    ctes = [(exp_, expected), (act, select(*(col(c) for c in columns)).from_(table(relation)))]
     floats = [c for c, t in watermark.columns.items() if t.lower() in ("float", "double")]
     if not floats:
-        return (
-            f"{head}\nSELECT {string(MISSING)} AS {SIDE}, * FROM (SELECT * FROM {exp_} EXCEPT ALL SELECT * FROM {act})"
-            f"\nUNION ALL SELECT {string(EXTRA)} AS {SIDE}, * FROM (SELECT * FROM {act} EXCEPT ALL SELECT * FROM {exp_})"
-        )
+        def missing(tag: str, a: str, b: str) -> exp.Select:
+            rows = exp.Except(this=select(exp.Star()).from_(_read(a)), expression=select(exp.Star()).from_(_read(b)),
+                              distinct=False)
+            return select(alias(string(tag), SIDE), exp.Star()).from_(exp.Subquery(this=rows))
+
+        return render(_with(union_all(missing(MISSING, exp_, act), missing(EXTRA, act, exp_)), ctes))
     exact = [c for c in columns if c not in floats]
-    part = f"PARTITION BY {', '.join(ident(c) for c in exact)} " if exact else ""
-    order = ", ".join(ident(c) for c in floats)
 
-    def numbered(side: str) -> str:
-        return f"{side}_n AS (SELECT *, row_number() OVER ({part}ORDER BY {order}) AS {RN} FROM {side})"
+    def numbered(side: str) -> exp.Select:
+        rank = exp.Window(this=call("row_number"), partition_by=[col(c) for c in exact] or None,
+                          order=exp.Order(expressions=[exp.Ordered(this=col(c)) for c in floats]))
+        return select(exp.Star(), alias(rank, RN)).from_(_read(side))
 
-    def both(c: str) -> tuple[str, str]:
-        return f"e.{ident(c)}", f"a.{ident(c)}"
+    def same(c: str) -> exp.Expression:
+        return exp.NullSafeEQ(this=col(c, "e"), expression=col(c, "a"))
 
-    on = " AND ".join([f"{e} <=> {a}" for e, a in map(both, exact)] + [f"e.{RN} = a.{RN}"])
-    close = " AND ".join(
-        f"({e} <=> {a} OR abs({e} - {a}) <= {tolerance!r} * greatest(abs({e}), abs({a})))"
-        for e, a in map(both, floats)
-    )
-    pairs = (
-        f"{pairs_} AS (SELECT e.{RN} AS e_rn, a.{RN} AS a_rn, "
-        + ", ".join(f"e.{ident(c)} AS {ident('e_' + c)}, a.{ident(c)} AS {ident('a_' + c)}" for c in columns)
-        + f", ({close}) AS same FROM {exp_}_n AS e FULL OUTER JOIN {act}_n AS a ON {on})"
-    )
+    def close(c: str) -> exp.Expression:
+        e, a = col(c, "e"), col(c, "a")
+        within = exp.LTE(this=exp.Abs(this=exp.Sub(this=e, expression=a)), expression=exp.Mul(
+            this=exp.Literal.number(repr(float(tolerance))),
+            expression=exp.Greatest(this=exp.Abs(this=e.copy()), expressions=[exp.Abs(this=a.copy())])))
+        return paren(or_([same(c), within]))
 
-    def side(tag: str, p: str) -> str:
-        cols = ", ".join(f"{ident(p + '_' + c)} AS {ident(c)}" for c in columns)
-        return (f"SELECT {string(tag)} AS {SIDE}, {cols} FROM {pairs_} "
-                f"WHERE {p}_rn IS NOT NULL AND (e_rn IS NULL OR a_rn IS NULL OR NOT same)")
+    on = and_([same(c) for c in exact] + [exp.EQ(this=col(RN, "e"), expression=col(RN, "a"))])
+    pairs = select(alias(col(RN, "e"), "e_rn"), alias(col(RN, "a"), "a_rn"),
+                   *(alias(col(c, p), f"{p}_{c}") for c in columns for p in ("e", "a")),
+                   alias(paren(and_(close(c) for c in floats)), "same"))
+    pairs = pairs.from_(exp.Table(this=exp.to_identifier(f"{exp_}_n", quoted=True),
+                                  alias=exp.TableAlias(this=exp.to_identifier("e", quoted=True))))
+    pairs = pairs.join(exp.Table(this=exp.to_identifier(f"{act}_n", quoted=True),
+                                 alias=exp.TableAlias(this=exp.to_identifier("a", quoted=True))),
+                       on=on, join_type="full outer")
 
-    return (
-        f"{head}, {numbered(exp_)}, {numbered(act)}, {pairs}\n"
-        f"{side(MISSING, 'e')}\nUNION ALL {side(EXTRA, 'a')}"
-    )
+    def side(tag: str, p: str) -> exp.Select:
+        unmatched = or_([exp.Is(this=col("e_rn"), expression=exp.Null()),
+                         exp.Is(this=col("a_rn"), expression=exp.Null()), exp.Not(this=col("same"))])
+        return (select(alias(string(tag), SIDE), *(alias(col(f"{p}_{c}"), c) for c in columns))
+                .from_(_read(pairs_))
+                .where(exp.and_(exp.Not(this=exp.Is(this=col(f"{p}_rn"), expression=exp.Null())), paren(unmatched))))
+
+    ctes += [(f"{exp_}_n", numbered(exp_)), (f"{act}_n", numbered(act)), (pairs_, pairs)]
+    return render(_with(union_all(side(MISSING, "e"), side(EXTRA, "a")), ctes))
+
+
+def _with(query: exp.Query, ctes: list) -> exp.Query:
+    """``query`` under the CTEs (a UNION carries its WITH as a SELECT does)."""
+    if isinstance(query, exp.Select):
+        return cte(query, ctes)
+    query.set("with_", exp.With(expressions=[exp.CTE(this=q, alias=exp.TableAlias(this=exp.to_identifier(n, quoted=True)))
+                                             for n, q in ctes]))
+    return query

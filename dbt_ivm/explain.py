@@ -190,7 +190,7 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
     except IvmError as e:
         return {**out, "strategy": UNKNOWN, "reason": "INVALID_MODEL", "detail": str(e)[:300]}
     window = delta.Window(new={s.physical: 0 for s in facts.values()})
-    state_cols = [c for c in parse(apply.state_query(plan, window, {})).named_selects]
+    state_cols = list(apply.state_query(plan, window, {}).named_selects)
     types = {c: "string" for c in plan.columns}
     return {**out, "strategy": INCREMENTAL, "reason": None, "detail": None, "kind": plan.kind,
             "columns": plan.columns, "hidden_state_columns": [c for c in state_cols if c not in plan.columns],

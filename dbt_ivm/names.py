@@ -41,7 +41,7 @@ def _call(name: str, *keys: str):
 
 
 class IvmSpark(Spark):
-    """Spark SQL as sqlglot writes it, with two fixes:
+    """Spark SQL as sqlglot writes it, with three fixes:
 
     * quoting where its generator drops quotes: the table alias of
       ``LATERAL VIEW f(...) alias AS cols`` (sqlglot 30 renders ``alias.name``
@@ -52,10 +52,16 @@ class IvmSpark(Spark):
       'yyyy')`` a cast to string: another query, silently). The three calls
       found so far are written back as Spark reads them (``_call``); any other
       raises ``UnsupportedError``, which ``plan.parse`` turns into a
-      configuration error naming the construct.
+      configuration error naming the construct;
+    * a WITH stays where the tree has it (below).
     """
 
     class Generator(Spark.Generator):
+        # Spark 3+ reads a WITH anywhere a query goes; sqlglot's Hive lineage
+        # moves every nested one to the top of the statement (clashing names
+        # unhandled, by its own note), so a tree is written as it was built.
+        EXPRESSIONS_WITHOUT_NESTED_CTES: set = set()
+
         TRANSFORMS = {
             **Spark.Generator.TRANSFORMS,
             exp.ArgMax: _call("MAX_BY", "this", "expression", "count"),

@@ -8,10 +8,13 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Optional
 
+from sqlglot import exp
+
 from dbt_ivm import apply
 from dbt_ivm.delta import Window
 from dbt_ivm.errors import IvmConfigError
-from dbt_ivm.names import canonical, ident, string
+from dbt_ivm.names import canonical
+from dbt_ivm.sqltree import create_table, describe_query, drop_table, insert, render, set_properties
 from dbt_ivm.plan import AGGREGATE, BAG
 from dbt_ivm.refresh.watermark import Watermark
 
@@ -21,11 +24,6 @@ if TYPE_CHECKING:
 
 # Characters Delta allows in a column name only under column mapping.
 _DELTA_RESERVED_CHARS = frozenset(" ,;{}()\n\t=")
-
-
-def _properties(props: dict) -> str:
-    """A TBLPROPERTIES list: keys and values as string literals."""
-    return ", ".join(f"{string(k)} = {string(v)}" for k, v in props.items())
 
 
 def _digest(text: str) -> str:
@@ -65,9 +63,9 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
     if known:
         types, sums = dict(old.columns), dict(old.sums)
     else:
-        types = {row[0].lower(): row[1] for row in r.ex.query(f"DESCRIBE QUERY {pinned}")}
+        types = {row[0].lower(): row[1] for row in r.ex.query(describe_query(pinned))}
         args = apply.avg_args_query(plan, window)
-        sums = apply.avg_sum_types(plan, {row[0]: row[1] for row in r.ex.query(f"DESCRIBE QUERY {args}")}) if args else {}
+        sums = apply.avg_sum_types(plan, {row[0]: row[1] for row in r.ex.query(describe_query(args))}) if args else {}
     body, kind, columns = state_body(plan, sources, types, sums, pinned)
     r.units = kind == BAG
     if kind != AGGREGATE:
@@ -83,10 +81,10 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
     if known:
         same, new_schema = True, []
     else:
-        new_schema = [(row[0].lower(), row[1]) for row in r.ex.query(f"DESCRIBE QUERY {body}")]
+        new_schema = [(row[0].lower(), row[1]) for row in r.ex.query(describe_query(body))]
         same = state_exists and state_schema(r) == (new_schema, r.partition_by)
     if state_exists and not same:
-        r.ex.query(f"DROP TABLE {canonical(r.state)}")
+        r.ex.query(render(drop_table(r.state)))
     if same:
         r.set_properties(old)
     # Column names Delta stores only under column mapping, and Delta refuses
@@ -99,19 +97,16 @@ def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optiona
         props = {**props, "delta.columnMapping.mode": "name", "delta.enableChangeDataFeed": "false"}
     with r.commit(wm, old.commit_version if same and old else None):
         if same:
-            r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {body}")
+            r.ex.query(render(insert(r.state, body, overwrite=True)))
         else:
-            r.ex.query(
-                f"CREATE TABLE {canonical(r.state)} USING delta{_partitioned_by(r.partition_by)} "
-                f"TBLPROPERTIES ({_properties(props)}) AS {body}")
+            r.ex.query(render(create_table(r.state, body, props, r.partition_by)))
     if mapped and r.change_feed:
-        r.ex.query(f"ALTER TABLE {canonical(r.state)} SET TBLPROPERTIES "
-                      f"({_properties({'delta.enableChangeDataFeed': 'true'})})")
+        r.ex.query(render(set_properties(r.state, {"delta.enableChangeDataFeed": "true"})))
     if not (keep_view and same):  # a re-created state table gets a new view too
         r.ex.query(view)
 
 
-def state_body(plan, sources, types: dict, sums: dict, pinned: str) -> tuple[str, str, list]:
+def state_body(plan, sources, types: dict, sums: dict, pinned: exp.Query) -> tuple[exp.Query, str, list]:
     """(the SELECT of the whole state at the sources' current versions, the
     state's kind, the model's columns): the plan's state, or for a query not
     maintained row by row its rows as a bag."""
@@ -119,10 +114,6 @@ def state_body(plan, sources, types: dict, sums: dict, pinned: str) -> tuple[str
         window = Window(new={s.physical: s.version for s in sources})
         return apply.state_query(plan, window, {**types, **sums}), plan.kind, plan.columns
     return apply.bag_state_of_query(pinned, list(types)), BAG, list(types)
-
-
-def _partitioned_by(columns: list) -> str:
-    return f" PARTITIONED BY ({', '.join(ident(c) for c in columns)})" if columns else ""
 
 
 def state_schema(r: "Refresher") -> tuple[list[tuple[str, str]], list[str]]:

@@ -12,13 +12,15 @@ from dbt_ivm import apply
 from dbt_ivm.config import APPEND
 from dbt_ivm.delta import Window, materialized
 from dbt_ivm.errors import Reason
-from dbt_ivm.names import DIALECT, canonical, ident
+from dbt_ivm.names import canonical
 from dbt_ivm.partitions import partitions_predicate
 from dbt_ivm.plan import BAG, PREFIX, Plan
 from dbt_ivm.refresh.decide import INCREMENTAL, NOOP, Decision, Result
 from dbt_ivm.refresh.facts import delta_partition_changes
 from dbt_ivm.refresh.log import FOLDED, Layers, _as_map
 from dbt_ivm.refresh.watermark import Watermark, _failpoint, delta_conflict
+from dbt_ivm.sqltree import aliased, cache_table, drop_view, insert, render, select
+from sqlglot import exp
 
 if TYPE_CHECKING:
     from dbt_ivm.refresh.refresher import Refresher
@@ -70,7 +72,7 @@ def run(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Resul
             incremental_statements(r, plan, sources, watermark, result, broadcast)
         finally:
             for name in reversed(r.cached_pieces):
-                r.ex.query(f"DROP VIEW IF EXISTS {ident(name)}")
+                r.ex.query(render(drop_view(name)))
 
 
 def cache_pieces(r: "Refresher") -> None:
@@ -80,7 +82,7 @@ def cache_pieces(r: "Refresher") -> None:
     (an eager CACHE TABLE ran one statement and one job per piece: 0.2-1 s
     each at 10 M rows; measured, docs/NOTES.md twenty-sixth session)."""
     for name, query in r.pieces.items[len(r.cached_pieces):]:
-        r.ex.query(f"CACHE LAZY TABLE {ident(name)} AS {query.sql(dialect=DIALECT)}")
+        r.ex.query(render(cache_table(name, query, lazy=True)))
         r.cached_pieces.append(name)
 
 
@@ -114,26 +116,27 @@ def incremental_statements(r: "Refresher", plan: Plan, sources, watermark: Water
     # Temporary views of this session, dropped after the write.
     views: list[str] = []
 
-    def cached(name: str, query: str) -> str:
+    def cached(name: str, query: exp.Query) -> exp.Select:
         cache_pieces(r)
         view = f"{PREFIX}{name}_{r.run_id}"
-        r.ex.query(f"CACHE TABLE {ident(view)} AS {query}")
+        r.ex.query(render(cache_table(view, query, lazy=False)))
         views.append(view)
-        return f"SELECT * FROM {ident(view)}"
+        return select(exp.Star()).from_(exp.Table(this=exp.to_identifier(view, quoted=True)))
 
     try:
         change = cached("change", change)
         groups = cached("recompute", apply.recompute_groups(plan, r.state, window, change))
-        count = int(r.ex.query(f"SELECT count(*) FROM ({groups}) AS {PREFIX}g")[0][0])
+        count = int(r.ex.query(render(select(exp.Count(this=exp.Star())).from_(
+            aliased(groups.copy(), f"{PREFIX}g"))))[0][0])
         r.recomputed = count
         merge(r, plan, sources, watermark, result, window, change, groups if count else None, count)
     finally:
         for view in views:
-            r.ex.query(f"DROP VIEW IF EXISTS {ident(view)}")
+            r.ex.query(render(drop_view(view)))
 
 
 def merge(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Result, window: Window,
-           change: Optional[str], groups: Optional[str], recompute: int) -> None:
+           change: Optional[exp.Query], groups: Optional[exp.Query], recompute: int) -> None:
     merge = apply.merge_statement(plan, r.state, window, watermark.typed(), groups, change)
     if merge is None:
         return
@@ -146,7 +149,7 @@ def merge(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Res
     # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
     with r.commit(wm, watermark.commit_version, {"spark.databricks.delta.merge.materializeSource": "all"}):
         _failpoint("before_commit", r.relation)
-        rows = r.ex.query(merge)
+        rows = r.ex.query(render(merge))
         _failpoint("after_commit", r.relation)
     # Delta skips a write whose (txnAppId, txnVersion) it has already committed
     # and returns no metrics row: look at the history only then.
@@ -175,10 +178,10 @@ def consolidate(r: "Refresher", plan: Plan) -> bool:
     its flag makes a refresh after a crash here check again). A rebuild thus
     skips grouping every row, and pays it only where rows repeat and a MERGE
     follows (the append layout never needs it)."""
-    if int(r.ex.query(apply.state_repeats(r.state))[0][0]) == 0:
+    if int(r.ex.query(render(apply.state_repeats(r.state)))[0][0]) == 0:
         return False
     with r.maintenance():
-        r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {apply.consolidated_state(plan.columns, r.state)}")
+        r.ex.query(render(insert(r.state, apply.consolidated_state(plan.columns, r.state), overwrite=True)))
     return True
 
 
@@ -187,8 +190,8 @@ def append_layer(r: "Refresher", plan: Plan, sources, watermark: Watermark, resu
     of rows, carrying the watermark and the idempotency key as the MERGE does;
     then, every few layers, compaction (_fold)."""
     types = watermark.typed()
-    insert = apply.append_statement(plan, r.state, window, types)
-    if insert is None:
+    layer = apply.append_statement(plan, r.state, window, types)
+    if layer is None:
         return
     cache_pieces(r)
     r.set_properties(watermark)
@@ -201,7 +204,7 @@ def append_layer(r: "Refresher", plan: Plan, sources, watermark: Watermark, resu
                          watermark.sums)
     with r.commit(wm, watermark.commit_version):
         _failpoint("before_commit", r.relation)
-        r.ex.query(insert)
+        r.ex.query(render(layer))
         _failpoint("after_commit", r.relation)
     # An INSERT returns no metrics: the history says whether it committed
     # (Delta skips a write whose idempotency key it has committed already).
@@ -235,7 +238,7 @@ def fold(r: "Refresher", plan: Plan, types: dict, result: Result, layers: Layers
     the whole state instead, saying so."""
     def whole() -> None:
         with r.maintenance():
-            r.ex.query(f"INSERT OVERWRITE {canonical(r.state)} {apply.folded_state(plan, r.state, types)}")
+            r.ex.query(render(insert(r.state, apply.folded_state(plan, r.state, types), overwrite=True)))
 
     try:
         scope = _layered_partitions(r, layers, version, types)
@@ -247,7 +250,7 @@ def fold(r: "Refresher", plan: Plan, types: dict, result: Result, layers: Layers
             try:
                 with r.maintenance(json.dumps({"dbt_ivm_maintenance": 1, FOLDED: layers.base},
                                               separators=(",", ":"))):
-                    r.ex.query(f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} {folded}")
+                    r.ex.query(render(insert(r.state, folded, replace_where=cond)))
                 result.rows["partitions_folded"] = count
             except Exception as e:  # noqa: BLE001 - see below
                 if delta_conflict(e):
@@ -260,7 +263,8 @@ def fold(r: "Refresher", plan: Plan, types: dict, result: Result, layers: Layers
         result.notes.append(f"compaction of {r.state} failed: {str(e)[:200]}")
 
 
-def _layered_partitions(r: "Refresher", layers: Layers, version: int, types: dict) -> Optional[tuple[str, int]]:
+def _layered_partitions(r: "Refresher", layers: Layers, version: int,
+                        types: dict) -> Optional[tuple[exp.Expression, int]]:
     """The predicate selecting the partitions of the state that commits
     (layers.since, version] wrote to, and their count; None: the state is not
     partitioned, or its log cannot say (the base is older than the commits
@@ -271,7 +275,7 @@ def _layered_partitions(r: "Refresher", layers: Layers, version: int, types: dic
     parts = delta_partition_changes(r.ex, r.state, columns, layers.since, version)
     if parts is None:
         return None
-    return partitions_predicate(columns, parts, types).sql(dialect=DIALECT), len(parts)
+    return partitions_predicate(columns, parts, types), len(parts)
 
 
 def compact(r: "Refresher", result: Result) -> None:

@@ -28,7 +28,7 @@ from sqlglot import exp
 from dbt_ivm import apply
 from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
 from dbt_ivm.errors import Reason
-from dbt_ivm.names import DIALECT, canonical, ident
+from dbt_ivm.names import canonical
 from dbt_ivm.partitions import lineage, partitions_predicate
 from dbt_ivm.plan import BAG, PREFIX
 from dbt_ivm.refresh.decide import NOOP, NOT_PARTITIONED, PARTITION, Decision, Result, rewound
@@ -36,6 +36,8 @@ from dbt_ivm.refresh.facts import delta_partition_changes, listing_changes
 from dbt_ivm.refresh.full import state_body
 from dbt_ivm.refresh.log import _as_map
 from dbt_ivm.refresh.watermark import Watermark, _failpoint
+from dbt_ivm.sqltree import aliased, insert, render, select, table
+from dbt_ivm.sqltree import col as column_of
 
 if TYPE_CHECKING:
     from dbt_ivm.refresh.refresher import Refresher
@@ -113,11 +115,10 @@ def run(r: "Refresher", plan, sources: list[Source], watermark: Watermark, chang
     types, sums = dict(watermark.columns), dict(watermark.sums)
     pinned = apply.pinned_query(r.sql, sources, {s.physical: s.version for s in sources})
     where = change.predicate(types[change.column])
-    cond = where.sql(dialect=DIALECT)
     body, kind, _ = state_body(plan, sources, types, sums, pinned)
     r.units = kind == BAG
-    statement = (f"INSERT INTO {canonical(r.state)} REPLACE WHERE {cond} "
-                 f"SELECT * FROM ({body}) AS {ident(PREFIX + 'p')} WHERE {cond}")
+    rows = select(exp.Star()).from_(aliased(body, f"{PREFIX}p")).where(where.copy())
+    statement = render(insert(r.state, rows, replace_where=where))
     r.set_properties(watermark)
     wm = r.watermark_for(plan, sources, watermark.signature, Decision(PARTITION, result.reason), watermark.columns,
                          watermark.sums)
@@ -148,5 +149,5 @@ def count_partitions(r: "Refresher") -> Optional[int]:
     count = fast(canonical(r.state)) if fast is not None else None
     if count is not None:
         return count
-    cols = ", ".join(ident(c) for c in r.partition_by)
-    return int(r.ex.query(f"SELECT count(*) FROM (SELECT DISTINCT {cols} FROM {canonical(r.state)}) AS {PREFIX}c")[0][0])
+    values = select(*(column_of(c) for c in r.partition_by)).distinct().from_(table(r.state))
+    return int(r.ex.query(render(select(exp.Count(this=exp.Star())).from_(aliased(values, f"{PREFIX}c"))))[0][0])

@@ -22,7 +22,7 @@ from dbt_ivm.catalog import Catalog
 from dbt_ivm.config import APPEND, MERGE, validate_config
 from dbt_ivm.delta import table_changes
 from dbt_ivm.errors import IvmConfigError, IvmError, Reason, UnsupportedQuery
-from dbt_ivm.names import DIALECT, canonical, set_value
+from dbt_ivm.names import canonical, set_value
 from dbt_ivm.plan import AGGREGATE, BAG, Plan, build_plan, referenced_tables, signature
 from dbt_ivm.refresh import full, history, incremental, partition
 from dbt_ivm.refresh.decide import (
@@ -30,7 +30,8 @@ from dbt_ivm.refresh.decide import (
     changed_sources, cheapest, decide, estimates, partition_floor, too_large,
 )
 from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, describe_source, relations_present
-from dbt_ivm.refresh.full import _digest, _properties
+from dbt_ivm.refresh.full import _digest
+from dbt_ivm.sqltree import at_version, create_view, render, select, set_properties
 from dbt_ivm.refresh.log import Executor, describe_history, history_head, window_estimate
 from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, delta_conflict, read_watermark, state_name
 from sqlglot import exp
@@ -411,11 +412,8 @@ class Refresher:
         """The model's relation: a view over the state (folding its layers under
         the append layout); its properties tell readers where the state is."""
         folded = apply.folded_state(plan, self.state, types) if self.layout == APPEND else None
-        return (
-            f"CREATE OR REPLACE VIEW {canonical(self.relation)} "
-            f"TBLPROPERTIES ({_properties({PROP_STATE: self.state, PROP_KIND: kind, PROP_LAYOUT: self.layout})}) "
-            f"AS {apply.view_query(kind, columns, self.state, folded)}"
-        )
+        return render(create_view(self.relation, apply.view_query(kind, columns, self.state, folded),
+                                  {PROP_STATE: self.state, PROP_KIND: kind, PROP_LAYOUT: self.layout}))
 
     def create_view(self, plan: Optional[Plan], kind: str, columns: list, types: dict) -> None:
         statement = self.view_statement(plan, kind, columns, types)
@@ -505,7 +503,7 @@ class Refresher:
         wanted = {k: v for k, v in self.state_properties().items() if had.get(k) != v}
         if wanted:
             self.settled = True
-            self.ex.query(f"ALTER TABLE {canonical(self.state)} SET TBLPROPERTIES ({_properties(wanted)})")
+            self.ex.query(render(set_properties(self.state, wanted)))
 
     def _change_sizes(self, sources, watermark: Watermark) -> dict:
         """(changed rows, rows now) of each changed source. The changed rows come
@@ -533,11 +531,12 @@ class Refresher:
                 derived[s.name] = None
             self.source_rows[s.physical] = derived[s.name]
             if estimate is None:
-                counts[s.name] = "(" + exp.select("count(*)").from_(table_changes(s.physical, lo + 1, hi)).where(
-                    exp.column("_change_type").neq(exp.Literal.string("update_preimage"))).sql(DIALECT) + ")"
+                counts[s.name] = exp.Subquery(this=select(exp.Count(this=exp.Star())).from_(
+                    table_changes(s.physical, lo + 1, hi)).where(
+                    exp.column("_change_type").neq(exp.Literal.string("update_preimage"))))
             sizes[s.name] = [estimate, None, s]
         if counts:  # one statement for all of them
-            row = self.ex.query("SELECT " + ", ".join(counts.values()))[0]
+            row = self.ex.query(render(select(*counts.values())))[0]
             for n, value in zip(counts, row):
                 sizes[n][0] = int(value)
         # The cost rule weighs a change of any size against the rows rebuilt
@@ -549,9 +548,9 @@ class Refresher:
                 sizes[n][1] = derived[n]
                 del big[n]
         if big:
-            row = self.ex.query("SELECT " + ", ".join(
-                f"(SELECT count(*) FROM {canonical(v[2].physical)} VERSION AS OF {int(v[2].version)})"
-                for v in big.values()))[0]
+            counts = [exp.Subquery(this=select(exp.Count(this=exp.Star())).from_(
+                at_version(v[2].physical, v[2].version))) for v in big.values()]
+            row = self.ex.query(render(select(*counts)))[0]
             for n, value in zip(big, row):
                 sizes[n][1] = int(value)
                 self.source_rows[big[n][2].physical] = int(value)

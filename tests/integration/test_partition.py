@@ -269,6 +269,7 @@ def test_the_partition_recompute_reads_only_the_changed_partitions(project):
     from dbt_ivm.delta import Window
     from dbt_ivm.plan import build_plan
     from dbt_ivm.refresh.facts import describe_source
+    from dbt_ivm.sqltree import render
 
     srcs = {n: describe_source(SessionExecutor(), f"{SRC}.{n}") for n in ("ev", "dim")}
     catalog = Catalog({s.name: s for s in srcs.values()})
@@ -277,7 +278,7 @@ def test_the_partition_recompute_reads_only_the_changed_partitions(project):
         body = MODELS[name]
         for n in srcs:
             body = body.replace(f"{{{{ source('src', '{n}') }}}}", f"{SRC}.{n}")
-        recompute = apply.state_query(build_plan(body, catalog), window, {})
+        recompute = render(apply.state_query(build_plan(body, catalog), window, {}))
         text = sql(f"EXPLAIN SELECT * FROM ({recompute}) AS p WHERE d IN (DATE'2024-01-03')")[0][0]
         scans = [line for line in text.splitlines() if "FileScan" in line and f"{SRC}.ev[" in line]
         assert scans and all("PartitionFilters: [isnotnull(d" in line for line in scans), (name, scans)

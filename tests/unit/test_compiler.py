@@ -7,6 +7,7 @@ import pytest
 import sqlglot
 
 from dbt_ivm.apply import pinned_query
+from dbt_ivm.sqltree import render
 from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.errors import IvmConfigError, UnsupportedQuery
 from sqlglot import exp
@@ -78,7 +79,7 @@ def test_not_a_select_is_a_config_error():
 def test_calls_are_written_back_with_every_argument(call):
     # sqlglot's Spark writer drops these arguments (with a warning): another query
     sql = f"select i, {call} as x from db.a group by i"
-    written = pinned_query(sql, [], {})  # the SQL a rebuild runs
+    written = render(pinned_query(sql, [], {}))  # the SQL a rebuild runs
     assert sqlglot.parse_one(written, read="spark") == sqlglot.parse_one(sql, read="spark"), written
 
 
@@ -117,18 +118,18 @@ def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
     plan = _minmax_plan()
     window = Window(old={"db.a": 2}, new={"db.a": 3}, broadcast=True)
     types = {"i": "int", "mn": "int", "mx": "double", "n": "bigint"}
-    probe = recompute_groups(plan, "db.s", window)
-    merge = merge_statement(plan, "db.s", window, types)
-    full = merge_statement(plan, "db.s", window, types, recompute="SELECT * FROM groups_view")
+    probe = render(recompute_groups(plan, "db.s", window))
+    merge = render(merge_statement(plan, "db.s", window, types))
+    full = render(merge_statement(plan, "db.s", window, types, recompute=sqlglot.parse_one("SELECT * FROM groups_view")))
     for statement in (probe, merge, full):
         sqlglot.parse_one(statement, read="spark")  # well-formed
     # the probe and the plain MERGE read the change and the state, never a snapshot
     assert "VERSION AS OF" not in probe and "VERSION AS OF" not in merge
-    assert "TABLE_CHANGES" in probe.upper() and "__ivm_a1_rm > 0" in probe
-    assert probe.startswith("SELECT /*+ BROADCAST(a) */ t.`__ivm_k0`, TRUE AS __ivm_rc FROM")
+    assert "TABLE_CHANGES" in probe.upper() and "`__ivm_a1_rm` > 0" in probe
+    assert probe.startswith("SELECT /*+ BROADCAST(`a`) */ `t`.`__ivm_k0`, TRUE AS `__ivm_rc` FROM")
     # without a recompute a run-out top-k fails the MERGE (nothing written); with one it cannot
     from dbt_ivm.apply import RAN_OUT
-    assert merge.count(f"raise_error('{RAN_OUT}')") == 2 and RAN_OUT not in full
+    assert merge.count(f"RAISE_ERROR('{RAN_OUT}')") == 2 and RAN_OUT not in full
     # ... and each merged top-k is written twice per aggregate, not four times:
     # once for the state column (bound to a lambda variable for the guard), once
     # for the visible MIN/MAX (which needs no guard); each holds its sort in two
@@ -157,34 +158,35 @@ def test_append_layout_statements():
                       "from db.a group by i", cat)
     assert append_eligible(plan)
     types = {"i": "int", "n": "bigint", "s": "double", "a": "double", "r": "double"}
-    insert = append_statement(plan, "db.s", Window(old={"db.a": 2}, new={"db.a": 3}), types)
-    folded = folded_state(plan, "db.s", types)
-    for statement in (insert, folded, view_query(plan.kind, plan.columns, "db.s", folded)):
+    insert = render(append_statement(plan, "db.s", Window(old={"db.a": 2}, new={"db.a": 3}), types))
+    folded_tree = folded_state(plan, "db.s", types)
+    folded = render(folded_tree)
+    for statement in (insert, folded, render(view_query(plan.kind, plan.columns, "db.s", folded_tree))):
         sqlglot.parse_one(statement, read="spark")  # well-formed
     # the layer: the change only (no state read, no snapshot), the visible key column from the group key
     # (a partitioned state keeps a layer row in its group's partition), the aggregates NULL, zero changes dropped
-    assert insert.startswith("INSERT INTO `db`.`s` SELECT CAST((s.__ivm_k0) AS int) AS `i`, "
-                             "CAST(NULL AS bigint) AS `n`, CAST(NULL AS double) AS `s`")
+    assert insert.startswith("INSERT INTO `db`.`s` SELECT CAST((`s`.`__ivm_k0`) AS INT) AS `i`, "
+                             "CAST(NULL AS BIGINT) AS `n`, CAST(NULL AS DOUBLE) AS `s`")
     assert "VERSION AS OF" not in insert and "`db`.`s`" not in insert.split(" SELECT ", 1)[1]
-    assert "COALESCE(s.__ivm_count, 0) <> 0 OR" in insert
+    assert "COALESCE(`s`.`__ivm_count`, 0) <> 0 OR" in insert
     # the fold: every layer summed per group, vanished groups dropped
-    assert "GROUP BY __ivm_k0 HAVING SUM(__ivm_count) > 0" in folded
+    assert "GROUP BY `__ivm_k0` HAVING SUM(`__ivm_count`) > 0" in folded
     assert append_statement(plan, "db.s", Window(old={"db.a": 3}, new={"db.a": 3}), types) is None
     # a scalar aggregate is one row even when its input is empty: no HAVING
     scalar = build_plan("select count(*) as n, sum(d) as s from db.a", cat)
-    assert "HAVING" not in folded_state(scalar, "db.s", {"n": "bigint", "s": "double"})
+    assert "HAVING" not in render(folded_state(scalar, "db.s", {"n": "bigint", "s": "double"}))
     for sql in ("select i, min(j) as m from db.a group by i", "select distinct i from db.a"):
         assert not append_eligible(build_plan(sql, cat))
     # columns of the keys alone, expressions too, carry their values; one mixing in an aggregate is NULL
     mixed = build_plan("select i + 1 as i1, j, count(*) + i as ni from db.a group by i + 1, j, i", cat)
-    layer = append_statement(mixed, "db.s", Window(old={"db.a": 2}, new={"db.a": 3}),
-                             {"i1": "int", "j": "int", "ni": "bigint"})
+    layer = render(append_statement(mixed, "db.s", Window(old={"db.a": 2}, new={"db.a": 3}),
+                                    {"i1": "int", "j": "int", "ni": "bigint"}))
     sqlglot.parse_one(layer, read="spark")
-    assert layer.startswith("INSERT INTO `db`.`s` SELECT CAST((s.__ivm_k0) AS int) AS `i1`, "
-                            "CAST((s.__ivm_k1) AS int) AS `j`, CAST(NULL AS bigint) AS `ni`")
+    assert layer.startswith("INSERT INTO `db`.`s` SELECT CAST((`s`.`__ivm_k0`) AS INT) AS `i1`, "
+                            "CAST((`s`.`__ivm_k1`) AS INT) AS `j`, CAST(NULL AS BIGINT) AS `ni`")
     # a compaction of some partitions reads only their rows
-    assert "FROM (SELECT * FROM `db`.`s` WHERE `i` = 1) AS __ivm_st GROUP BY" in folded_state(
-        plan, "db.s", types, "`i` = 1")
+    assert "FROM (SELECT * FROM `db`.`s` WHERE `i` = 1) AS `__ivm_st` GROUP BY" in render(folded_state(
+        plan, "db.s", types, sqlglot.parse_one("`i` = 1", read="spark")))
 
 
 def test_append_layout_of_a_bag():
@@ -204,29 +206,30 @@ def test_append_layout_of_a_bag():
     plan = build_plan("select i, j * 2 as j2 from db.a where i > 0", cat)
     assert append_eligible(plan)
     window = Window(old={"db.a": 2}, new={"db.a": 3})
-    insert = append_statement(plan, "db.s", window, {})
-    folded = folded_state(plan, "db.s", {})
-    units = state_query(plan, Window(new={"db.a": 3}), {})
-    repeats, consolidated = state_repeats("db.s"), consolidated_state(plan.columns, "db.s")
+    insert = render(append_statement(plan, "db.s", window, {}))
+    folded = render(folded_state(plan, "db.s", {}))
+    units = render(state_query(plan, Window(new={"db.a": 3}), {}))
+    repeats, consolidated = render(state_repeats("db.s")), render(consolidated_state(plan.columns, "db.s"))
     for statement in (insert, folded, units, repeats, consolidated):
         sqlglot.parse_one(statement, read="spark")
-    assert "GROUP BY" not in units and "explode" not in units and "CAST(1 AS BIGINT) AS __ivm_count" in units
-    assert repeats == "SELECT count(1) - count(DISTINCT __ivm_rid) FROM `db`.`s`"
-    assert consolidated == ("SELECT `i`, `j2`, __ivm_rid, SUM(__ivm_count) AS __ivm_count FROM `db`.`s` "
-                            "GROUP BY `i`, `j2`, __ivm_rid")
+    assert "GROUP BY" not in units and "EXPLODE" not in units.upper() and "CAST(1 AS BIGINT) AS `__ivm_count`" in units
+    assert repeats == "SELECT COUNT(1) - COUNT(DISTINCT `__ivm_rid`) FROM `db`.`s`"
+    assert consolidated == ("SELECT `i`, `j2`, `__ivm_rid`, SUM(`__ivm_count`) AS `__ivm_count` FROM `db`.`s` "
+                            "GROUP BY `i`, `j2`, `__ivm_rid`")
     distinct = build_plan("select distinct i from db.a", cat)
-    assert "GROUP BY" in state_query(distinct, Window(new={"db.a": 3}), {})  # one row per row, as it shows
+    assert "GROUP BY" in render(state_query(distinct, Window(new={"db.a": 3}), {}))  # one row per row, as it shows
     assert insert.startswith("INSERT INTO `db`.`s` SELECT")
     assert "`db`.`s`" not in insert.split(" SELECT ", 1)[1]  # the layer does not read the state
-    assert "CASE WHEN __ivm_u.__ivm_count > 0 THEN 1 ELSE __ivm_u.__ivm_count END" in insert
-    assert "LEFT ANTI JOIN" in folded and "LEFT SEMI JOIN" in folded and "__ivm_count < 1 OR __ivm_count > 1" in folded
+    assert "CASE WHEN `__ivm_u`.`__ivm_count` > 0 THEN 1 ELSE `__ivm_u`.`__ivm_count` END" in insert
+    assert ("LEFT ANTI JOIN" in folded and "LEFT SEMI JOIN" in folded
+            and "`__ivm_count` < 1 OR `__ivm_count` > 1" in folded)
     assert append_statement(plan, "db.s", Window(old={"db.a": 3}, new={"db.a": 3}), {}) is None
     # a compaction of some partitions: every scan of the state in the fold reads only their rows
-    scoped = folded_state(plan, "db.s", {}, "`i` = 1")
+    scoped = render(folded_state(plan, "db.s", {}, sqlglot.parse_one("`i` = 1", read="spark")))
     sqlglot.parse_one(scoped, read="spark")
     assert scoped.count("(SELECT * FROM `db`.`s` WHERE `i` = 1)") == scoped.count("`db`.`s`") == 4
     # a query only ever rebuilt is kept as unit rows too
-    assert "GROUP BY" not in bag_state_of_query("SELECT 1 AS x", ["x"])
+    assert "GROUP BY" not in render(bag_state_of_query(sqlglot.parse_one("SELECT 1 AS x"), ["x"]))
 
 
 VERSIONED = Catalog({
@@ -260,7 +263,7 @@ def test_keyed_delta_recomputes_touched_keys_from_new_snapshots(sql, keyed):
     assert "LEFT SEMI JOIN" in d and "IS NOT DISTINCT FROM" in d
     assert d.count(keyed) == 2  # the operator: new rows (+1), old rows (-1)
     assert "1 AS `__ivm_w`" in d and "-1 AS `__ivm_w`" in d
-    sqlglot.parse_one(merge_statement(plan, "db.s", window, {c: "int" for c in plan.columns}), read="spark")
+    sqlglot.parse_one(render(merge_statement(plan, "db.s", window, {c: "int" for c in plan.columns})), read="spark")
 
 
 def test_row_number_ties_are_broken_by_every_column_read():

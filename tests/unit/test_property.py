@@ -26,6 +26,7 @@ from dbt_ivm import names
 from dbt_ivm.names import DIALECT
 from dbt_ivm.plan import build_plan
 from dbt_ivm.refresh import Watermark, state_name
+from dbt_ivm.sqltree import render
 from tests.querygen import CATALOG, TABLES, queries
 
 COUNT = int(os.environ.get("DBT_IVM_PROPERTY_QUERIES", "1000"))
@@ -84,7 +85,7 @@ def _statements(sql: str, plan) -> list[str]:
         out.append(apply.folded_state(plan, state, types))
     out.append(apply.view_query(plan.kind, plan.columns, state))
     out.append(_audit(sql, sources, types))
-    return [s for s in out if s]
+    return [s if isinstance(s, str) else render(s) for s in out if s is not None]  # the audit's is text
 
 
 def _audit(sql: str, sources, types: dict) -> str:
@@ -106,7 +107,8 @@ def run(count: int, seed: int) -> dict:
         except UnsupportedQuery as u:
             tally[u.reason.code] += 1
             try:  # the rebuild path: the model's own SQL, pinned
-                sqlglot.parse_one(apply.pinned_query(sql, [CATALOG.get(n) for n in _read(sql)], {}), read=DIALECT)
+                sqlglot.parse_one(render(apply.pinned_query(sql, [CATALOG.get(n) for n in _read(sql)], {})),
+                                  read=DIALECT)
             except Exception:  # noqa: BLE001 - the property under test
                 failures.append(("pinned query", sql, traceback.format_exc(limit=3)))
             continue
@@ -119,8 +121,8 @@ def run(count: int, seed: int) -> dict:
         tally["planned"] += 1
         try:
             types = {c: "string" for c in plan.columns}
-            state_cols = [c for c in sqlglot.parse_one(apply.state_query(
-                plan, Window(new={s.physical: 2 for s in plan.sources}), types), read=DIALECT).named_selects]
+            state_cols = [c for c in sqlglot.parse_one(render(apply.state_query(
+                plan, Window(new={s.physical: 2 for s in plan.sources}), types)), read=DIALECT).named_selects]
             schema = _check_schema({state_name(MODEL): [(c, "string") for c in state_cols],
                                     MODEL: [(c, "string") for c in plan.columns]})
             for statement in _statements(sql, plan):
