@@ -238,10 +238,10 @@ class _Recorder:
 
 @pytest.mark.parametrize("config,change_feed,dvs,expected", [
     ({"ivm_mv_dependents": True, "ivm_deletion_vectors": True}, None, None,
-     "('delta.enableDeletionVectors' = 'true')"),  # written before DVs were recorded: off then
-    ({}, None, None, "('delta.enableChangeDataFeed' = 'false')"),  # no reader any more
-    ({"ivm_mv_dependents": True}, False, False, "('delta.enableChangeDataFeed' = 'true')"),
-    ({"ivm_deletion_vectors": "false"}, False, True, "('delta.enableDeletionVectors' = 'false')"),
+     "('delta.enableDeletionVectors'='true')"),  # written before DVs were recorded: off then
+    ({}, None, None, "('delta.enableChangeDataFeed'='false')"),  # no reader any more
+    ({"ivm_mv_dependents": True}, False, False, "('delta.enableChangeDataFeed'='true')"),
+    ({"ivm_deletion_vectors": "false"}, False, True, "('delta.enableDeletionVectors'='false')"),
     ({"ivm_deletion_vectors": "true"}, False, True, None),  # as recorded: nothing to do
 ])
 def test_state_properties_are_set_only_where_the_watermark_differs(config, change_feed, dvs, expected):
@@ -314,7 +314,7 @@ class _RanOut(_Recorder):
         self.sql.append(sql)
         if sql.startswith("MERGE") and "__ivm_g" not in sql and self.groups:
             raise RuntimeError(f"[USER_RAISED_EXCEPTION] {RAN_OUT} SQLSTATE: P0001")
-        if sql.startswith("SELECT count(*)"):
+        if sql.upper().startswith("SELECT COUNT(*)"):
             return [(self.groups,)]
         return [(1, 1, 0, 0)] if sql.startswith("MERGE") else []
 
