@@ -23,7 +23,7 @@ from dbt_ivm.delta import NEW, W, Window, delta, snapshot
 from dbt_ivm.names import DIALECT
 from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, parse, source_tables, table_name
 from dbt_ivm.sqltree import (aliased, at_version, call, case, cast, coalesce, col, cte, hint, lam, lateral_view,
-                             nullsafe_on, num, or_, paren, select, string, table, union_all)
+                             named, nullsafe_on, num, or_, paren, select, string, table, union_all)
 from dbt_ivm.sqltree import alias as as_
 
 COUNT = f"{PREFIX}count"
@@ -473,7 +473,7 @@ def _with_recompute(plan: Plan, source: exp.Query, groups: exp.Query, window: Wi
     unit = _unit_weights(plan)
     aggs = [as_(_top_k(a, col(a.arg, "r"), col(W, "r"), unit), a.col("rcv")) for a in _minmax(plan)]
     recompute = (select(*_cols(keys, "r"), *aggs).from_(aliased(rel, "r"))
-                 .join(aliased(table(g), "f"), on=nullsafe_on(keys, "r", "f"), join_type="left semi"))
+                 .join(aliased(named(g), "f"), on=nullsafe_on(keys, "r", "f"), join_type="left semi"))
     if keys:
         recompute = recompute.group_by(*_cols(keys, "r"))
     if window.broadcast:
@@ -482,8 +482,8 @@ def _with_recompute(plan: Plan, source: exp.Query, groups: exp.Query, window: Wi
     out = (select(exp.Column(this=exp.Star(), table=exp.to_identifier("a", quoted=True)),
                   as_(coalesce(col(RC, "g"), exp.false()), RC), *rcv)
            .from_(aliased(source, "a"))
-           .join(aliased(table(g), "g"), on=nullsafe_on(keys, "a", "g"), join_type="left")
-           .join(aliased(table(rcv_cte), "rc"), on=nullsafe_on(keys, "a", "rc"), join_type="left"))
+           .join(aliased(named(g), "g"), on=nullsafe_on(keys, "a", "g"), join_type="left")
+           .join(aliased(named(rcv_cte), "rc"), on=nullsafe_on(keys, "a", "rc"), join_type="left"))
     return cte(out, [(g, groups), (rcv_cte, recompute)])
 
 

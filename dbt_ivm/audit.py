@@ -12,17 +12,13 @@ from sqlglot import exp
 
 from dbt_ivm.apply import pinned_query
 from dbt_ivm.plan import PREFIX
-from dbt_ivm.sqltree import alias, and_, call, col, cte, or_, paren, render, select, string, table, union_all
+from dbt_ivm.sqltree import (alias, aliased, and_, call, col, cte, named, or_, paren, render, select, string,
+                             table, union_all)
 
 TOLERANCE = 1e-9
 RN = f"{PREFIX}rn"
 SIDE = "ivm_side"
 MISSING, EXTRA = "missing_from_mv", "extra_in_mv"
-
-
-def _read(name: str) -> exp.Table:
-    """One of the audit's CTEs, by name."""
-    return exp.Table(this=exp.to_identifier(name, quoted=True))
 
 
 def consistency_sql(watermark, relation: str, tolerance: float = TOLERANCE) -> str:
@@ -44,17 +40,17 @@ def consistency_sql(watermark, relation: str, tolerance: float = TOLERANCE) -> s
     floats = [c for c, t in watermark.columns.items() if t.lower() in ("float", "double")]
     if not floats:
         def missing(tag: str, a: str, b: str) -> exp.Select:
-            rows = exp.Except(this=select(exp.Star()).from_(_read(a)), expression=select(exp.Star()).from_(_read(b)),
+            rows = exp.Except(this=select(exp.Star()).from_(named(a)), expression=select(exp.Star()).from_(named(b)),
                               distinct=False)
             return select(alias(string(tag), SIDE), exp.Star()).from_(exp.Subquery(this=rows))
 
-        return render(_with(union_all(missing(MISSING, exp_, act), missing(EXTRA, act, exp_)), ctes))
+        return render(cte(union_all(missing(MISSING, exp_, act), missing(EXTRA, act, exp_)), ctes))
     exact = [c for c in columns if c not in floats]
 
     def numbered(side: str) -> exp.Select:
         rank = exp.Window(this=call("row_number"), partition_by=[col(c) for c in exact] or None,
                           order=exp.Order(expressions=[exp.Ordered(this=col(c)) for c in floats]))
-        return select(exp.Star(), alias(rank, RN)).from_(_read(side))
+        return select(exp.Star(), alias(rank, RN)).from_(named(side))
 
     def same(c: str) -> exp.Expression:
         return exp.NullSafeEQ(this=col(c, "e"), expression=col(c, "a"))
@@ -70,27 +66,16 @@ def consistency_sql(watermark, relation: str, tolerance: float = TOLERANCE) -> s
     pairs = select(alias(col(RN, "e"), "e_rn"), alias(col(RN, "a"), "a_rn"),
                    *(alias(col(c, p), f"{p}_{c}") for c in columns for p in ("e", "a")),
                    alias(paren(and_(close(c) for c in floats)), "same"))
-    pairs = pairs.from_(exp.Table(this=exp.to_identifier(f"{exp_}_n", quoted=True),
-                                  alias=exp.TableAlias(this=exp.to_identifier("e", quoted=True))))
-    pairs = pairs.join(exp.Table(this=exp.to_identifier(f"{act}_n", quoted=True),
-                                 alias=exp.TableAlias(this=exp.to_identifier("a", quoted=True))),
-                       on=on, join_type="full outer")
+    pairs = pairs.from_(aliased(named(f"{exp_}_n"), "e"))
+    pairs = pairs.join(aliased(named(f"{act}_n"), "a"), on=on, join_type="full outer")
 
     def side(tag: str, p: str) -> exp.Select:
         unmatched = or_([exp.Is(this=col("e_rn"), expression=exp.Null()),
                          exp.Is(this=col("a_rn"), expression=exp.Null()), exp.Not(this=col("same"))])
         return (select(alias(string(tag), SIDE), *(alias(col(f"{p}_{c}"), c) for c in columns))
-                .from_(_read(pairs_))
+                .from_(named(pairs_))
                 .where(exp.and_(exp.Not(this=exp.Is(this=col(f"{p}_rn"), expression=exp.Null())), paren(unmatched))))
 
     ctes += [(f"{exp_}_n", numbered(exp_)), (f"{act}_n", numbered(act)), (pairs_, pairs)]
-    return render(_with(union_all(side(MISSING, "e"), side(EXTRA, "a")), ctes))
+    return render(cte(union_all(side(MISSING, "e"), side(EXTRA, "a")), ctes))
 
-
-def _with(query: exp.Query, ctes: list) -> exp.Query:
-    """``query`` under the CTEs (a UNION carries its WITH as a SELECT does)."""
-    if isinstance(query, exp.Select):
-        return cte(query, ctes)
-    query.set("with_", exp.With(expressions=[exp.CTE(this=q, alias=exp.TableAlias(this=exp.to_identifier(n, quoted=True)))
-                                             for n, q in ctes]))
-    return query

@@ -132,8 +132,14 @@ def lateral_view(function: Node, table_alias: str, *columns: str) -> exp.Lateral
                        alias=exp.TableAlias(this=ident(table_alias), columns=[ident(c) for c in columns]))
 
 
-def cte(query: exp.Select, ctes: list[tuple[str, exp.Query]]) -> exp.Select:
-    """``WITH name AS (q), ... query``."""
+def named(name: str) -> exp.Table:
+    """A relation of the statement or session by its one-part name (a CTE, a
+    cached view)."""
+    return exp.Table(this=ident(name))
+
+
+def cte(query: exp.Query, ctes: list[tuple[str, exp.Query]]) -> exp.Query:
+    """``WITH name AS (q), ... query`` (a SELECT or a set operation)."""
     query.set("with_", exp.With(expressions=[exp.CTE(this=q, alias=exp.TableAlias(this=ident(n)))
                                              for n, q in ctes]))
     return query
@@ -173,7 +179,7 @@ def create_view(target: names.TableRef, query: exp.Query, props: dict) -> exp.Cr
 
 def cache_table(name: str, query: exp.Query, lazy: bool) -> exp.Cache:
     """``CACHE [LAZY] TABLE name AS query`` (a temporary view of the session)."""
-    return exp.Cache(this=exp.Table(this=ident(name)), lazy=lazy or None, expression=query)
+    return exp.Cache(this=named(name), lazy=lazy or None, expression=query)
 
 
 def describe_query(query: exp.Query) -> str:
@@ -202,7 +208,7 @@ def drop_view(name: str) -> exp.Drop:
     >>> render(drop_view("__ivm_x")), render(drop_table("db.T"))
     ('DROP VIEW IF EXISTS `__ivm_x`', 'DROP TABLE `db`.`t`')
     """
-    return exp.Drop(tables=[exp.Table(this=ident(name))], kind="VIEW", exists=True)
+    return exp.Drop(tables=[named(name)], kind="VIEW", exists=True)
 
 
 def drop_table(ref: names.TableRef) -> exp.Drop:

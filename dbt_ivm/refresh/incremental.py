@@ -19,7 +19,7 @@ from dbt_ivm.refresh.decide import INCREMENTAL, NOOP, Decision, Result
 from dbt_ivm.refresh.facts import delta_partition_changes
 from dbt_ivm.refresh.log import FOLDED, Layers, _as_map
 from dbt_ivm.refresh.watermark import Watermark, _failpoint, delta_conflict
-from dbt_ivm.sqltree import aliased, cache_table, drop_view, insert, render, select
+from dbt_ivm.sqltree import aliased, cache_table, drop_view, insert, named, render, select
 from sqlglot import exp
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def incremental_statements(r: "Refresher", plan: Plan, sources, watermark: Water
         view = f"{PREFIX}{name}_{r.run_id}"
         r.ex.query(render(cache_table(view, query, lazy=False)))
         views.append(view)
-        return select(exp.Star()).from_(exp.Table(this=exp.to_identifier(view, quoted=True)))
+        return select(exp.Star()).from_(named(view))
 
     try:
         change = cached("change", change)
