@@ -308,8 +308,7 @@ def _keyed_delta(node: Keyed, window: Window) -> Optional[exp.Query]:
     parts = []
     for (alias, _), d, keys in zip(node.items, deltas, node.keys):
         if d is not None and not scalar:
-            parts.append(exp.select(*(exp.alias_(k.copy(), f"{PREFIX}k{i}", quoted=True) for i, k in enumerate(keys)))
-                         .from_(_aliased(d.copy(), alias)))
+            parts.append(_touched(node, alias, d, keys, window))
     affected = None if scalar else _shared(
         exp.select("*").from_(_aliased(_union(parts), f"{PREFIX}kd")).distinct(), "k")
     new_rels, old_rels = [], []
@@ -328,6 +327,23 @@ def _keyed_delta(node: Keyed, window: Window) -> Optional[exp.Query]:
     out = _union([_render_keyed(node, new_rels), _render_keyed(node, old_rels, weight=-1)])
     if scalar:  # its one row: nothing when its value did not change (the rows reading it stay put)
         return _consolidated(out, _columns_of(out), nonzero=True)
+    return out
+
+
+def _touched(node: Keyed, alias: str, d: exp.Query, keys: list, window: Window) -> exp.Select:
+    """The key values a change ``d`` of the item ``alias`` touches, as
+    ``__ivm_k<i>``: its own keys' values — or, for the unkeyed side of a join
+    without equi-join keys (``node.match``), the preserved side's rows it
+    matches, at the new versions (old preserved rows that are gone are in
+    that side's own change): a nested-loop join with the change."""
+    if keys or node.match is None:
+        return exp.select(*(exp.alias_(k.copy(), f"{PREFIX}k{i}", quoted=True) for i, k in enumerate(keys))) \
+            .from_(_aliased(d.copy(), alias))
+    (kept, child), row = next(((a, c), k) for (a, c), k in zip(node.items, node.keys) if k)
+    out = exp.select(*(exp.alias_(k.copy(), f"{PREFIX}k{i}", quoted=True) for i, k in enumerate(row))) \
+        .from_(_aliased(snapshot(child, window, NEW), kept)).join(_aliased(d.copy(), alias), on=node.match.copy())
+    if window.broadcast:
+        out.set("hint", broadcast_hint(alias))
     return out
 
 

@@ -126,6 +126,8 @@ def describe_plan(node, depth: int = 0) -> list[str]:
     keys = ""
     if isinstance(node, Keyed):
         keys = " by " + "; ".join(", ".join(k.sql(dialect="spark") for k in ks) or "()" for ks in node.keys)
+        if node.match is not None:  # no equi-join keys: the preserved rows a change matches
+            keys += f" (rows matched on {node.match.sql(dialect='spark')})"
     lines = [f"{pad}{rule}{keys}"]
     for child in children:
         lines += describe_plan(child, depth + 1)

@@ -33,6 +33,7 @@ from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.errors import IvmConfigError, Reason, UnsupportedQuery
 from dbt_ivm.names import DIALECT
 from dbt_ivm.grouping_sets import expand as expand_grouping_sets
+from dbt_ivm.join_trees import nest as nest_join_trees
 from dbt_ivm.subqueries import decorrelate
 from dbt_ivm.support import check_structure, check_support, position, root_decomposable
 
@@ -83,6 +84,10 @@ class Keyed:
     items: list[tuple[str, "Node"]]
     keys: list[list[exp.Expression]]
     windowed: bool = False  # ``select`` reads its item in a nested SELECT of its windows (_nest_windows)
+    # A join without equi-join keys (plan._matched): its ON condition. The
+    # preserved item's keys are its whole row; a change of the other item
+    # (keys []) affects the preserved rows it matches.
+    match: Optional[exp.Expression] = None
 
 
 Node = Union[Scan, Block, UnionAll, Keyed]
@@ -244,7 +249,9 @@ def _unwrap_tables(tree: exp.Expression) -> None:
         inner = sub.this
         while isinstance(inner, exp.Subquery) and not inner.alias:
             inner = inner.this
-        if isinstance(inner, exp.Table) and not (sub.alias and inner.alias):
+        # a parenthesized join tree — (b JOIN c ON …) — stays one: its parentheses
+        # decide what joins what (dbt_ivm.join_trees names it for the planner)
+        if isinstance(inner, exp.Table) and not inner.args.get("joins") and not (sub.alias and inner.alias):
             table = inner.copy()
             if sub.alias:
                 table.set("alias", sub.args["alias"].copy())
@@ -392,7 +399,8 @@ def build_plan(sql: str, catalog: Catalog) -> Plan:
 def qualified(tree: exp.Expression, catalog: Catalog) -> exp.Query:
     """A copy of a parsed query with every column qualified by its relation and
     every identifier quoted, GROUPING SETS / ROLLUP / CUBE expanded into a
-    UNION ALL of GROUP BYs; UnsupportedQuery when the columns do not resolve."""
+    UNION ALL of GROUP BYs, parenthesized join trees as named derived tables
+    (dbt_ivm.join_trees); UnsupportedQuery when the columns do not resolve."""
     try:
         query = qualify(
             tree.copy(),
@@ -408,7 +416,7 @@ def qualified(tree: exp.Expression, catalog: Catalog) -> exp.Query:
             "UNRESOLVED_QUERY", f"incremental_mv could not resolve the model's columns: {e}",
             "the model is refreshed by full rebuilds; if Spark cannot resolve it either, the build "
             "fails with Spark's error")]) from e
-    return expand_grouping_sets(query)
+    return nest_join_trees(expand_grouping_sets(query))
 
 
 def _check_columns(columns: list[str]) -> None:
@@ -588,8 +596,6 @@ def _split_join(query: exp.Select, m: int, catalog: Catalog, ctes: dict) -> Node
     right = rels[m + 1].alias_or_name
     x_alias, o_alias = f"{PREFIX}l{m}", f"{PREFIX}o{m}"
     outer = joins[m]
-    if outer.args.get("on") is None:
-        raise UnsupportedQuery([_no_keys(outer)])
     # the query over O: what it reads of the relations up to the join, lifted
     top = query.copy()
     top.set("joins", [j.copy() for j in joins[m + 1:]])
@@ -605,12 +611,13 @@ def _split_join(query: exp.Select, m: int, catalog: Catalog, ctes: dict) -> Node
     if pushed:
         x.set("where", exp.Where(this=exp.and_(*pushed)))
     x.set("expressions", _lift(o_select, left, x_alias)[0])
-    keys = _join_keys(o_select.args["joins"][0].args["on"], x_alias, right)
-    if not keys:
-        raise UnsupportedQuery([_no_keys(outer)])
-    o_node = Keyed(select=o_select, items=[(x_alias, _node(x, catalog, ctes)),
-                                           (right, _item(rels[m + 1], catalog, ctes))],
-                   keys=[[k[0] for k in keys], [k[1] for k in keys]])
+    on = o_select.args["joins"][0].args.get("on")
+    keys = _join_keys(on, x_alias, right) if on is not None else []
+    items = [(x_alias, _node(x, catalog, ctes)), (right, _item(rels[m + 1], catalog, ctes))]
+    if keys:
+        o_node = Keyed(select=o_select, items=items, keys=[[k[0] for k in keys], [k[1] for k in keys]])
+    else:
+        o_node = _matched(o_select, outer, items, x)
     items = [(o_alias, o_node)] + [(r.alias_or_name, _item(r, catalog, ctes)) for r in rels[m + 2:]]
     return Block(select=top, items=items)
 
@@ -636,13 +643,36 @@ def _push_below(top: exp.Select, join: exp.Join, left: set) -> list[exp.Expressi
     return pushed
 
 
-def _no_keys(join: exp.Join) -> Reason:
-    return Reason(
-        "UNSUPPORTED_OUTER_JOIN",
-        f"{' '.join(p for p in (join.side, join.kind) if p)} JOIN without an equality between its two sides "
-        f"({(join.args.get('on') or exp.true()).sql(DIALECT)}): no key bounds what a change affects",
-        "the model is refreshed by full rebuilds; join on an equality (with any extra condition) to maintain it",
-        position(join))
+def _matched(o_select: exp.Select, outer: exp.Join, items: list, x: exp.Select) -> Keyed:
+    """An outer, semi or anti join without an equality between its sides
+    (``ON abs(l.x - r.y) <= 2``, a range, none at all): where one side is
+    preserved (LEFT, RIGHT, SEMI, ANTI), each of its rows' output depends on
+    that row and the other side only — a Keyed node keyed on the whole
+    preserved row, whose rows a change of the other side affects by matching
+    ``match`` (delta._keyed_delta: a nested-loop join of the preserved
+    side with that change). A FULL join preserves both: no key bounds it."""
+    side = (outer.side or "").upper()
+    if side == "FULL":
+        raise UnsupportedQuery([Reason(
+            "UNSUPPORTED_OUTER_JOIN",
+            f"FULL JOIN without an equality between its two sides "
+            f"({(outer.args.get('on') or exp.true()).sql(DIALECT)}): no key bounds what a change affects",
+            "the model is refreshed by full rebuilds; join on an equality (with any extra condition) to maintain it",
+            position(outer))])
+    preserved = 1 if side == "RIGHT" else 0
+    alias, node = items[preserved]
+    columns = x.named_selects if preserved == 0 else _node_columns(node, items[preserved][0], o_select)
+    row = [exp.column(c, table=alias, quoted=True) for c in columns]
+    keys: list = [[], []]
+    keys[preserved] = row
+    on = o_select.args["joins"][0].args.get("on")
+    return Keyed(select=o_select, items=items, keys=keys, match=on.copy() if on is not None else exp.true())
+
+
+def _node_columns(node: Node, alias: str, select: exp.Select) -> list[str]:
+    """The columns ``select`` reads of the relation ``alias`` (the preserved
+    right side of a RIGHT JOIN: its row, as far as the join's output shows it)."""
+    return list(dict.fromkeys(c.name for c in _scope_columns(select) if c.table == alias))
 
 
 def _join_keys(on: exp.Expression, left: str, right: str) -> list[tuple[exp.Expression, exp.Expression]]:
@@ -650,7 +680,9 @@ def _join_keys(on: exp.Expression, left: str, right: str) -> list[tuple[exp.Expr
     that compares the two sides (one side's columns each)."""
     out = []
     for conj in on.flatten() if isinstance(on, exp.And) else [on]:
-        if not isinstance(conj, exp.EQ):
+        # a null-safe equality keys the join as well: the affected keys are
+        # matched null-safe (delta._restricted), NULL a key value like any other
+        if not isinstance(conj, (exp.EQ, exp.NullSafeEQ)):
             continue
         sides = []
         for e in (conj.this, conj.expression):
