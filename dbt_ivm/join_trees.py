@@ -28,16 +28,22 @@ from sqlglot import exp
 PREFIX = "__ivm_"
 
 
-def join_tree(node: exp.Expression) -> Optional[exp.Table]:
-    """The first table of a parenthesized join tree when ``node`` is one
-    (``Subquery`` around a ``Table`` with joins, parentheses doubled or not),
-    else None."""
-    inner = node
-    while isinstance(inner, exp.Subquery):
-        inner = inner.this
-    if node is inner or not isinstance(inner, exp.Table) or not inner.args.get("joins"):
+def join_tree(node: exp.Expression) -> Optional[exp.Expression]:
+    """The first operand of the parenthesized join tree ``node`` is, else
+    None. sqlglot keeps ``(x JOIN y ON …)`` as an unaliased ``Subquery``
+    around ``x`` (a ``Table``, or a ``Subquery`` when ``x`` is a derived
+    table or a tree of its own) that carries the tree's joins; doubled
+    parentheses are unaliased ``Subquery`` layers without joins. (A
+    ``Subquery`` may carry joins of its own too: then it is the first
+    operand of the tree around it.)"""
+    if not isinstance(node, exp.Subquery) or node.alias:
         return None
-    return inner
+    inner = node.this
+    while isinstance(inner, exp.Subquery) and not inner.alias and not inner.args.get("joins"):
+        inner = inner.this
+    if isinstance(inner, (exp.Table, exp.Subquery)) and inner.args.get("joins"):
+        return inner
+    return None
 
 
 def nest(query: exp.Expression) -> exp.Expression:
@@ -59,19 +65,18 @@ def nest(query: exp.Expression) -> exp.Expression:
         n += 1
 
 
-def _aliases(first: exp.Table) -> set:
-    """The relation names a join tree makes visible around it (nested trees
-    included)."""
-    out = {first.alias_or_name}
-    for join in first.args.get("joins") or []:
-        inner = join_tree(join.this)
-        out |= _aliases(inner) if inner is not None and not join.this.alias else {join.this.alias_or_name}
-    return out
+def _visible(rel: exp.Expression) -> set:
+    """The relation names an operand makes visible around it (its own
+    trailing joins, if it carries the joins of a tree around it, left out)."""
+    if isinstance(rel, exp.Subquery) and not rel.alias:
+        inner = rel.this
+        return _visible(inner) | {n for j in inner.args.get("joins") or [] for n in _visible(j.this)}
+    return {rel.alias_or_name}
 
 
 def _nest_one(sub: exp.Subquery, alias: str) -> None:
     first = join_tree(sub)
-    seen = _aliases(first)
+    seen = _visible(sub)
     select = sub.find_ancestor(exp.Select)
     lifted: dict = {}
     for col in list(select.find_all(exp.Column)) if select is not None else []:
@@ -86,7 +91,9 @@ def _nest_one(sub: exp.Subquery, alias: str) -> None:
     inner = exp.Select(expressions=projections or [exp.alias_(exp.Literal.number(1), f"{PREFIX}one", quoted=True)])
     inner = inner.from_(body)
     inner.set("joins", joins)
-    sub.replace(exp.Subquery(this=inner, alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True))))
+    named = exp.Subquery(this=inner, alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True)))
+    named.set("joins", sub.args.get("joins"))  # the first operand of a tree around it keeps that tree's joins
+    sub.replace(named)
 
 
 def _inside(node: exp.Expression, ancestor: exp.Expression) -> bool:

@@ -247,11 +247,12 @@ def _unwrap_tables(tree: exp.Expression) -> None:
     """``FROM (db.t) [AS x]`` is ``FROM db.t [AS x]``: one shape for the planner."""
     for sub in list(tree.find_all(exp.Subquery)):
         inner = sub.this
-        while isinstance(inner, exp.Subquery) and not inner.alias:
+        while isinstance(inner, exp.Subquery) and not inner.alias and not inner.args.get("joins"):
             inner = inner.this
         # a parenthesized join tree — (b JOIN c ON …) — stays one: its parentheses
         # decide what joins what (dbt_ivm.join_trees names it for the planner)
-        if isinstance(inner, exp.Table) and not inner.args.get("joins") and not (sub.alias and inner.alias):
+        if isinstance(inner, exp.Table) and not inner.args.get("joins") and not sub.args.get("joins") \
+                and not (sub.alias and inner.alias):
             table = inner.copy()
             if sub.alias:
                 table.set("alias", sub.args["alias"].copy())

@@ -46,6 +46,7 @@ class Gen:
         self.r = random.Random(seed)
         self.n = 0
         self.simple = False
+        self.trees = False  # parenthesized join trees and every join kind (see operand)
         self.tables = tables
 
     def pick(self, seq):
@@ -80,28 +81,58 @@ class Gen:
             return f"({name})", cols
         return name, cols
 
-    def from_clause(self, depth: int, ctes: dict) -> tuple[str, list[tuple[str, str]]]:
-        """FROM ... [JOIN ...]; the columns as (alias, column)."""
+    def operand(self, depth: int, ctes: dict, level: int) -> tuple[str, list[tuple[str, str]]]:
+        """One FROM/JOIN operand and its columns as (alias, column): a relation
+        with an alias or, where join trees are on (``self.trees``), a
+        parenthesized join tree with its own ON conditions, nested up to
+        three levels: ``(x JOIN (y LEFT JOIN z ON …) ON …)``."""
+        if self.trees and level < 3 and self.chance(0.3):
+            text, cols = self.join_chain(depth, ctes, level + 1, least=1)
+            return f"({text})", cols
         rel, cols = self.relation(depth, ctes)
         a = self.alias()
-        out = [(a, c) for c in cols]
         text = f"{rel} AS {a}" if not rel.startswith("(") or self.chance(0.9) else rel
-        for _ in range(self.r.choice([0, 0, 1, 1, 2])):
-            rel2, cols2 = self.relation(depth, ctes)
-            b = self.alias()
-            kind = self.pick(["JOIN", "INNER JOIN", "CROSS JOIN"] if self.simple else [
+        return text, [(a, c) for c in cols]
+
+    def on(self, left: list, right: list) -> str:
+        """A join condition between two operands' columns: mostly an equality,
+        sometimes null-safe or without any equality (a range, an inequality)."""
+        def ref(pair):
+            a, c = pair
+            return f"{a if '`' in a else ident(a)}.{ident(c)}"
+
+        l, r = ref(self.pick(left)), ref(self.pick(right))
+        roll = self.r.random() if self.trees or not self.simple else 1.0
+        if roll < 0.1:
+            cond = f"{l} <=> {r}"
+        elif roll < 0.2:
+            cond = f"abs({l} - {r}) <= {self.r.randint(0, 2)}"
+        elif roll < 0.25:
+            cond = f"{l} < {r}"
+        else:
+            cond = f"{l} = {r}"
+        if self.chance(0.2):
+            cond += f" AND {ref(self.pick(right))} > {self.r.randint(0, 5)}"
+        return cond
+
+    def join_chain(self, depth: int, ctes: dict, level: int = 0, least: int = 0) -> tuple[str, list]:
+        """operand [JOIN operand ON …]…; the columns visible after it."""
+        text, out = self.operand(depth, ctes, level)
+        for _ in range(max(least, self.r.choice([0, 0, 1, 1, 2]))):
+            text2, cols2 = self.operand(depth, ctes, level)
+            plain = self.simple and not self.trees
+            kind = self.pick(["JOIN", "INNER JOIN", "CROSS JOIN"] if plain else [
                 "JOIN", "INNER JOIN", "LEFT JOIN", "RIGHT JOIN", "FULL OUTER JOIN",
                 "LEFT SEMI JOIN", "LEFT ANTI JOIN", "CROSS JOIN", "JOIN"])
-            on = ""
-            if kind != "CROSS JOIN":
-                left = self.pick(out)
-                right = self.pick(cols2)
-                on = f" ON {ident(left[0]) if '`' not in left[0] else left[0]}.{ident(left[1])} = {b}.{ident(right)}"
-                if self.chance(0.2):
-                    on += f" AND {b}.{ident(self.pick(cols2))} > {self.r.randint(0, 5)}"
-            text += f" {kind} {rel2} AS {b}{on}"
+            on = "" if kind == "CROSS JOIN" else f" ON {self.on(out, cols2)}"
+            text += f" {kind} {text2}{on}"
             if "SEMI" not in kind and "ANTI" not in kind:
-                out += [(b, c) for c in cols2]
+                out += cols2
+        return text, out
+
+    def from_clause(self, depth: int, ctes: dict) -> tuple[str, list[tuple[str, str]]]:
+        """FROM ... [JOIN ...]; the columns as (alias, column)."""
+        text, out = self.join_chain(depth, ctes)
         if not self.simple and self.chance(0.05):
             text += f" LATERAL VIEW explode(array(1, 2)) {self.alias()} AS {self.alias()}"
         return text, out
@@ -209,6 +240,7 @@ class Gen:
     def query(self) -> str:
         roll = self.r.random()
         self.simple = roll > 0.6
+        self.trees = self.chance(0.3)
         sql, _ = self.select(1 if self.simple else 2, {}, top=not self.simple)
         if roll < 0.12:
             return self.broken(sql)
@@ -237,11 +269,13 @@ class Gen:
         return sql.replace("FROM", "FROM FROM", 1)
 
 
-def queries(count: int, seed: int, tables: dict = TABLES, simple_only: bool = False):
+def queries(count: int, seed: int, tables: dict = TABLES, simple_only: bool = False, trees: bool = False):
+    """``count`` queries; ``simple_only``: only what the delta rules maintain
+    (with ``trees``: every join kind and parenthesized join trees too)."""
     g = Gen(seed, tables)
     if simple_only:
         for _ in range(count):
-            g.simple = True
+            g.simple, g.trees = True, trees
             yield g.select(1, {})[0]
         return
     for _ in range(count):

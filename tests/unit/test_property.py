@@ -95,6 +95,58 @@ def _audit(sql: str, sources, types: dict) -> str:
     return consistency_sql(wm, MODEL)
 
 
+def _operand_shape(rel: exp.Expression) -> str:
+    """A FROM/JOIN operand's shape: a parenthesized join tree as its joins in
+    parentheses; anything else (a table, ``(db.t)``, a derived table) as R.
+    (sqlglot keeps a tree as an unaliased Subquery around its first operand,
+    which carries the tree's joins; see dbt_ivm.join_trees.join_tree.)"""
+    if isinstance(rel, exp.Subquery) and not rel.alias:
+        inner = rel.this
+        if isinstance(inner, (exp.Table, exp.Subquery)) and inner.args.get("joins"):
+            return "(" + _chain_shape(inner, inner.args["joins"]) + ")"
+        if isinstance(inner, exp.Subquery):
+            return _operand_shape(inner)
+    return "R"
+
+
+def _chain_shape(first: exp.Expression, joins: list) -> str:
+    out = _operand_shape(first)
+    for j in joins:
+        how = " ".join(p for p in (j.method, j.side, j.kind) if p).upper() or "JOIN"
+        cond = " ON" if j.args.get("on") is not None else " USING" if j.args.get("using") else ""
+        out += f" {how} {_operand_shape(j.this)}{cond}"
+    return out
+
+
+def join_shapes(tree: exp.Expression) -> collections.Counter:
+    """The join trees of every SELECT with a FROM in ``tree``: join kinds,
+    parentheses and where each ON stands, names left out — what a statement
+    that runs the model's query must keep of the model's own SQL.
+
+    >>> a = join_shapes(sqlglot.parse_one("select * from (a join b on x) left join c on y", read="spark"))
+    >>> b = join_shapes(sqlglot.parse_one("select * from a join b join c on x on y", read="spark"))
+    >>> list(a), a == b
+    (['(R JOIN R ON) LEFT JOIN R ON'], False)
+    """
+    shapes: collections.Counter = collections.Counter()
+    for select in tree.find_all(exp.Select):
+        if select.args.get("from_") is not None:
+            shapes[_chain_shape(select.args["from_"].this, select.args.get("joins") or [])] += 1
+    return shapes
+
+
+def _keeps_join_trees(sql: str, statement: str, what: str) -> None:
+    """``statement`` holds every join tree of the model's raw SQL (sqlglot's
+    own parse of it, not the planner's), as written."""
+    tree = sqlglot.parse_one(sql, read=DIALECT)
+    raw = join_shapes(tree)
+    if join_shapes(sqlglot.parse_one(tree.sql(dialect=DIALECT), read=DIALECT)) != raw:
+        return  # text sqlglot itself does not read back alike: broken SQL (FROM FROM ...), which Spark refuses
+    emitted = join_shapes(sqlglot.parse_one(statement, read=DIALECT))
+    missing = raw - emitted
+    assert not missing, f"{what} lost the model's join trees {dict(missing)}: {statement}"
+
+
 def run(count: int, seed: int) -> dict:
     """Plan ``count`` generated queries; returns the tally by outcome and the
     failures (untyped exceptions, statements that do not parse or name a
@@ -106,9 +158,9 @@ def run(count: int, seed: int) -> dict:
             plan = build_plan(sql, CATALOG)
         except UnsupportedQuery as u:
             tally[u.reason.code] += 1
-            try:  # the rebuild path: the model's own SQL, pinned
-                sqlglot.parse_one(render(apply.pinned_query(sql, [CATALOG.get(n) for n in _read(sql)], {})),
-                                  read=DIALECT)
+            try:  # the rebuild path: the model's own SQL, pinned, its join trees as written
+                pinned = render(apply.pinned_query(sql, [CATALOG.get(n) for n in _read(sql)], {}))
+                _keeps_join_trees(sql, pinned, "the pinned query")
             except Exception:  # noqa: BLE001 - the property under test
                 failures.append(("pinned query", sql, traceback.format_exc(limit=3)))
             continue
@@ -119,6 +171,8 @@ def run(count: int, seed: int) -> dict:
             failures.append(("untyped exception", sql, traceback.format_exc(limit=4)))
             continue
         tally["planned"] += 1
+        if any("(" in shape for shape in join_shapes(sqlglot.parse_one(sql, read=DIALECT))):
+            tally["planned join trees"] += 1
         try:
             types = {c: "string" for c in plan.columns}
             state_cols = [c for c in sqlglot.parse_one(render(apply.state_query(
@@ -127,6 +181,8 @@ def run(count: int, seed: int) -> dict:
                                     MODEL: [(c, "string") for c in plan.columns]})
             for statement in _statements(sql, plan):
                 _columns_exist(statement, schema)
+            _keeps_join_trees(sql, render(apply.pinned_query(sql, plan.sources, {})), "the pinned query")
+            _keeps_join_trees(sql, _audit(sql, plan.sources, types), "the audit")
         except Exception:  # noqa: BLE001 - the property under test
             failures.append(("emitted statement", sql, traceback.format_exc(limit=4)))
     return {"tally": tally, "failures": failures}
@@ -144,6 +200,7 @@ def test_compiler_is_total_and_its_statements_are_well_formed():
     print(f"\n{COUNT} queries: " + ", ".join(f"{k} {v}" for k, v in tally.most_common()))
     # the generator must reach every outcome, or the test proves little
     assert tally["planned"] > COUNT // 10 and tally["config error"] > 0 and tally["NON_DETERMINISTIC"] > 0
+    assert tally["planned join trees"] > COUNT // 100, "the generator must reach parenthesized join trees"
     assert not failures, "\n\n".join(f"{kind}: {sql}\n{tb}" for kind, sql, tb in failures[:5])
 
 
