@@ -112,7 +112,7 @@ def _operand_shape(rel: exp.Expression) -> str:
 def _chain_shape(first: exp.Expression, joins: list) -> str:
     out = _operand_shape(first)
     for j in joins:
-        how = " ".join(p for p in (j.method, j.side, j.kind) if p).upper() or "JOIN"
+        how = " ".join([*(p for p in (j.method, j.side, j.kind) if p), "JOIN"]).upper()
         cond = " ON" if j.args.get("on") is not None else " USING" if j.args.get("using") else ""
         out += f" {how} {_operand_shape(j.this)}{cond}"
     return out
