@@ -185,17 +185,27 @@ TOP_K = 16
 V, ACC, D, M = f"{PREFIX}v", f"{PREFIX}acc", f"{PREFIX}del", f"{PREFIX}m"  # lambda variables
 
 
-def _top_k(a, x: Node, weight: Node, unit: bool = False) -> Node:
+def _top_k(a, x: Node, weight: Node, unit: bool = False, heap: bool = True) -> Node:
     """The TOP_K most extreme values of ``x`` over the rows where ``weight`` > 0,
-    each counted ``weight`` times: sorted, the extreme first (min_by/max_by with
-    k keep a bounded heap, Spark >= 4.2). Rows with a NULL ``x`` do not count.
-    ``unit``: every row has weight 1 (a snapshot of Delta tables), so no
-    per-row copies are needed."""
+    each counted ``weight`` times: sorted, the extreme first. Rows with a NULL
+    ``x`` do not count. ``unit``: every row has weight 1 (a snapshot of Delta
+    tables), so no per-row copies are needed. ``heap``: min_by/max_by with k
+    keep a bounded heap (Spark >= 4.2, versions.Target.topk_by); without it,
+    the group's values are collected and sorted (exact, its memory grows with
+    the group)."""
     by = "min_by" if a.func == "min" else "max_by"
+    ascending = exp.Boolean(this=a.func == "min")
     if unit:
+        if not heap:
+            return call("slice", call("sort_array", call("collect_list", x), ascending), num(1), num(TOP_K))
         return coalesce(call(by, x, x.copy(), num(TOP_K)), call("array"))
     copies = call("array_repeat", x, cast(exp.Least(this=weight, expressions=[num(TOP_K)]), "INT"))
     counted = case(exp.GT(this=weight.copy(), expression=num(0)), x.copy())
+    if not heap:  # collect_list skips the NULL of a row that does not count
+        kept = case(exp.and_(exp.GT(this=weight.copy(), expression=num(0)),
+                             exp.Not(this=exp.Is(this=x.copy(), expression=exp.Null()))), copies)
+        return call("slice", call("sort_array", call("flatten", call("collect_list", kept)), ascending.copy()),
+                    num(1), num(TOP_K))
     return call("slice", call("flatten", coalesce(call(by, copies, counted, num(TOP_K)), call("array"))),
                 num(1), num(TOP_K))
 
@@ -220,6 +230,7 @@ def _aggregate_input(plan: Plan, rel: exp.Query, unit: bool = False) -> exp.Sele
     """Per-group state changes of a weighted relation (a delta, or with ``unit``
     a snapshot whose rows all weigh 1)."""
     keys = _cols(_keys(plan))
+    heap = plan.target.topk_by
     cols = [as_(coalesce(exp.Sum(this=col(W)), num(0)), COUNT)]
     for a in plan.aggregates:
         x = col(a.arg)
@@ -229,9 +240,9 @@ def _aggregate_input(plan: Plan, rel: exp.Query, unit: bool = False) -> exp.Sele
             cols.append(as_(_sum_if(exp.Not(this=exp.Is(this=x.copy(), expression=exp.Null())), col(W)),
                             a.col("nn")))
         if a.func in ("min", "max"):
-            cols.append(as_(_top_k(a, x.copy(), col(W), unit), a.col("ins")))  # the most extreme values added
+            cols.append(as_(_top_k(a, x.copy(), col(W), unit, heap), a.col("ins")))  # the most extreme values added
             if not unit:  # a snapshot removes nothing
-                cols.append(as_(_top_k(a, x.copy(), exp.Neg(this=col(W))), a.col("del")))  # ... and removed
+                cols.append(as_(_top_k(a, x.copy(), exp.Neg(this=col(W)), heap=heap), a.col("del")))  # ... and removed
                 removed = exp.and_(exp.Not(this=exp.Is(this=x.copy(), expression=exp.Null())),
                                    exp.LT(this=col(W), expression=num(0)))
                 cols.append(as_(_sum_if(removed, exp.Neg(this=col(W))), a.col("rm")))  # non-null values removed
@@ -471,7 +482,8 @@ def _with_recompute(plan: Plan, source: exp.Query, groups: exp.Query, window: Wi
     g, rcv_cte = f"{PREFIX}g", f"{PREFIX}rc"
     rel = snapshot(plan.input, window, NEW)
     unit = _unit_weights(plan)
-    aggs = [as_(_top_k(a, col(a.arg, "r"), col(W, "r"), unit), a.col("rcv")) for a in _minmax(plan)]
+    aggs = [as_(_top_k(a, col(a.arg, "r"), col(W, "r"), unit, plan.target.topk_by), a.col("rcv"))
+            for a in _minmax(plan)]
     recompute = (select(*_cols(keys, "r"), *aggs).from_(aliased(rel, "r"))
                  .join(aliased(named(g), "f"), on=nullsafe_on(keys, "r", "f"), join_type="left semi"))
     if keys:

@@ -63,21 +63,22 @@ def delta_jars(home: Path, env: dict) -> list[str]:
     with ``--packages`` alone a Thrift server's sessions fail to find the
     ``delta`` data source (delta-io/delta#1341: the jars sit in a child class
     loader that the server's operations do not always use)."""
-    from dbt.adapters.spark_ivm.connections import DELTA_PACKAGE
+    from dbt.adapters.spark_ivm.connections import delta_package
 
-    cached = home / "delta-jars.txt"
+    package = delta_package()
+    cached = home / f"delta-jars-{package.replace(':', '_')}.txt"  # one per Spark line's jar
     if cached.exists():
         jars = cached.read_text().split()
         if jars and all(Path(j).exists() for j in jars):
             return jars
     script = home / "resolve_jars.py"
     script.write_text(_RESOLVE)
-    done = subprocess.run([str(spark_home() / "bin" / "spark-submit"), "--packages", DELTA_PACKAGE, str(script)],
+    done = subprocess.run([str(spark_home() / "bin" / "spark-submit"), "--packages", package, str(script)],
                           capture_output=True, text=True, env=env, timeout=600)
     line = next((x for x in done.stdout.splitlines() if x.startswith("JARS=")), "")
     jars = [j.removeprefix("file://").removeprefix("file:") for j in line[5:].split(",") if j]
     if done.returncode != 0 or not jars:
-        raise ClusterError(f"could not resolve {DELTA_PACKAGE} from Maven Central through Spark's Ivy:\n"
+        raise ClusterError(f"could not resolve {package} from Maven Central through Spark's Ivy:\n"
                            f"{(done.stderr or done.stdout)[-2000:]}")
     jars = _not_in_spark(jars)
     cached.write_text("\n".join(jars))

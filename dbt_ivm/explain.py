@@ -31,7 +31,7 @@ from typing import Optional
 from sqlglot import exp
 from sqlglot.optimizer.scope import traverse_scope
 
-from dbt_ivm import apply, delta
+from dbt_ivm import apply, budget, delta
 from dbt_ivm.catalog import DELTA, MV, Catalog, Source
 from dbt_ivm.errors import IvmError, UnsupportedQuery
 from dbt_ivm.names import canonical, display
@@ -173,7 +173,7 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
     partition_by = config.get("partition_by")
     partition_by = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
     try:
-        plan = build_plan(sql, catalog)
+        plan = budget.check(build_plan(sql, catalog))
     except UnsupportedQuery as u:
         verdict = {"strategy": FULL, "reason": u.reason.code, "detail": u.reason.detail, "hint": u.reason.hint,
                    "at": u.reason.where or None,
@@ -232,7 +232,7 @@ def explain_live(ex, sql: str, config: dict) -> dict:
     each source described through the executor, as a refresh would, and the
     chain's steps checked against them as if every source had changed."""
     from dbt_ivm.refresh.decide import incremental_blocker
-    from dbt_ivm.refresh.facts import describe_source
+    from dbt_ivm.refresh.facts import describe_source, spark_target
     from dbt_ivm.refresh.watermark import Watermark
 
     sources = [describe_source(ex, n) for n in referenced_tables(sql)]
@@ -240,7 +240,7 @@ def explain_live(ex, sql: str, config: dict) -> dict:
     out: dict = {"sources": [{"name": display(s.name), "kind": s.kind, "change_feed": s.cdf,
                               "partitions": list(s.partitions)} for s in sources]}
     try:
-        plan = build_plan(sql, catalog)
+        plan = budget.check(build_plan(sql, catalog, spark_target(ex)))
         unsupported = None
         out.update(kind=plan.kind, delta_plan=describe_plan(plan.input))
     except UnsupportedQuery as u:

@@ -35,6 +35,7 @@ from dbt_ivm.names import DIALECT
 from dbt_ivm.grouping_sets import expand as expand_grouping_sets
 from dbt_ivm.join_trees import nest as nest_join_trees
 from dbt_ivm.subqueries import decorrelate
+from dbt_ivm.versions import Target
 from dbt_ivm.support import check_structure, check_support, position, root_decomposable
 
 PREFIX = "__ivm_"
@@ -132,6 +133,7 @@ class Plan:
     aggregates: list[Aggregate] = field(default_factory=list)
     outputs: list[exp.Expression] = field(default_factory=list)  # AGGREGATE: select exprs
     signature: str = ""
+    target: Target = field(default_factory=Target.newest)  # the Spark the statements run on
 
     @property
     def scalar(self) -> bool:
@@ -218,6 +220,13 @@ def parse(sql: str) -> exp.Expression:
                 raise IvmConfigError(
                     f"incremental_mv cannot read the table name {table.sql(dialect=DIALECT)!r}: "
                     "a name has one to three non-empty parts (catalog.schema.table).") from None
+    for with_ in tree.find_all(exp.With):  # Spark refuses these (DUPLICATED_CTE_NAMES): so does the compiler
+        seen_ctes = [c.alias_or_name.lower() for c in with_.expressions]
+        twice = sorted({n for n in seen_ctes if seen_ctes.count(n) > 1})
+        if twice:
+            raise IvmConfigError(
+                f"incremental_mv: the CTE name(s) {', '.join(twice)} are defined twice in one WITH clause, which "
+                "Spark refuses (DUPLICATED_CTE_NAMES); give each CTE its own name.")
     _unwrap_tables(tree)
     _unique_ctes(tree)
     try:  # every SQL dbt-ivm writes is rendered from this tree: check it can be, faithfully
@@ -355,8 +364,9 @@ def table_name(table: exp.Table) -> str:
 # --------------------------------------------------------------------------- planning
 
 
-def build_plan(sql: str, catalog: Catalog) -> Plan:
+def build_plan(sql: str, catalog: Catalog, target: Optional[Target] = None) -> Plan:
     """Compile a model's SQL into a Plan, or raise UnsupportedQuery with reasons.
+    ``target``: the Spark the plan's statements run on (the newest line if None).
 
     Invalid input (unparsable SQL, a reserved column name) raises IvmConfigError.
     Any string ends in a Plan or one of these two errors.
@@ -394,6 +404,7 @@ def build_plan(sql: str, catalog: Catalog) -> Plan:
     plan = _normalize_root(query, columns, catalog)
     plan.sources = sources
     plan.signature = signature(sql, sources)
+    plan.target = target or Target.newest()
     return plan
 
 

@@ -17,6 +17,8 @@ from dbt_ivm.names import canonical, ident, namespace, parts, string
 from dbt_ivm.plan import BAG
 from dbt_ivm.refresh.log import Executor, commit_stamps, history_head
 from dbt_ivm.refresh.watermark import Watermark
+from dbt_ivm.sqltree import call, render, select
+from dbt_ivm.versions import Target
 
 
 # View properties that mark a relation as an incremental_mv (read by downstream models).
@@ -253,3 +255,15 @@ def has_mv_readers(nodes: dict, unique_id: str) -> bool:
                 seen.add(nid)
                 todo.append(nid)
     return False
+
+
+def spark_target(ex) -> Target:
+    """The Spark the refresh's statements run on: the executor's
+    ``spark_version()`` where it offers one (the adapter caches it per
+    process), else ``SELECT version()``."""
+    known = getattr(ex, "spark_version", None)
+    version = known() if known is not None else None
+    if not version:
+        rows = ex.query(render(select(call("version"))))
+        version = str(rows[0][0]) if rows else ""
+    return Target(str(version))

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Optional
 
-from dbt_ivm import apply
+from dbt_ivm import apply, budget
 from dbt_ivm.catalog import Catalog
 from dbt_ivm.config import APPEND, MERGE, validate_config
 from dbt_ivm.delta import table_changes
@@ -29,7 +29,7 @@ from dbt_ivm.refresh.decide import (
     _REBUILD_REASONS, CREATE, FULL, INCREMENTAL, NOOP, NOT_PARTITIONED, PARTITION, SMALL_CHANGE, Decision, Result,
     changed_sources, cheapest, decide, estimates, partition_floor, too_large,
 )
-from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, describe_source, relations_present
+from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, describe_source, relations_present, spark_target
 from dbt_ivm.refresh.full import _digest
 from dbt_ivm.sqltree import at_version, create_view, render, select, set_properties
 from dbt_ivm.refresh.log import Executor, describe_history, history_head, window_estimate
@@ -383,7 +383,7 @@ class Refresher:
 
     def _plan(self, catalog: Catalog) -> tuple[Optional[Plan], Optional[UnsupportedQuery]]:
         try:
-            return build_plan(self.sql, catalog), None
+            return budget.check(build_plan(self.sql, catalog, spark_target(self.ex))), None
         except UnsupportedQuery as u:
             return None, u
 

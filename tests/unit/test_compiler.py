@@ -433,3 +433,33 @@ def test_window_partition_expressions_are_computed_below_the_window():
     below = plan.input.items[0][1].select.sql("spark")
     assert below.count("% 5 AS `__ivm_w0`") == 1 and "__ivm_w1" not in below  # one column for the shared key
     assert sorted(k.name for k in plan.input.keys[0]) == ["__ivm_j0", "__ivm_w0"]
+
+
+@pytest.mark.parametrize("spark,heap", [("3.5.9", False), ("4.0.5", False), ("4.1.4", False), ("4.2.0", True)])
+def test_minmax_statements_fit_the_spark_they_run_on(spark, heap):
+    """min_by/max_by with a count (the top-k state's bounded heap) exist from
+    Spark 4.2 on; before, the state takes the portable form (collect, sort)."""
+    from dbt_ivm import apply
+    from dbt_ivm.delta import Window
+    from dbt_ivm.versions import Target
+
+    plan = build_plan("select i, min(j) as mn, max(d) as mx from db.a group by i", CATALOG, Target(spark))
+    window = Window(old={"`db`.`a`": 1}, new={"`db`.`a`": 2})
+    types = {c: "string" for c in plan.columns}
+    statements = [apply.state_query(plan, Window(new=window.new), types),
+                  apply.merge_statement(plan, "`db`.`m__ivm_state`", window, types),
+                  apply.recompute_groups(plan, "`db`.`m__ivm_state`", window)]
+    calls = [c for s in statements for c in s.find_all(exp.Anonymous) if c.name.lower() in ("min_by", "max_by")]
+    assert bool(calls) == heap
+    assert all(len(c.expressions) == 3 for c in calls)
+    if not heap:
+        assert any(c.name.lower() == "sort_array" for s in statements for c in s.find_all(exp.Anonymous))
+
+
+def test_a_cte_defined_twice_in_one_with_is_a_config_error():
+    """Spark refuses it (DUPLICATED_CTE_NAMES); the compiler must not pick one."""
+    with pytest.raises(IvmConfigError, match="defined twice"):
+        build_plan("with v as (select i from db.a), v as (select i from db.b) select i from v", CATALOG)
+    # shadowing in a nested WITH is SQL's scoping, not a duplicate
+    build_plan("with v as (select i from db.a) select x.i from (with v as (select i from db.b) select i from v) x "
+               "join v on x.i = v.i", CATALOG)

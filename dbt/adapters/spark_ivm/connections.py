@@ -27,7 +27,13 @@ from dbt.adapters.spark.connections import (
 
 logger = AdapterLogger("spark_ivm")
 
-DELTA_PACKAGE = "io.delta:delta-spark_4.2_2.13:4.4.0"
+
+def delta_package() -> str:
+    """The Delta jar for the installed pyspark's Spark line (dbt_ivm.versions);
+    a clear error before any JVM starts when pyspark is missing or unsupported."""
+    from dbt_ivm.versions import session_line
+
+    return session_line().delta_package
 
 
 @dataclass
@@ -83,7 +89,6 @@ def default_spark_conf(
     conf = {
         "spark.master": master or "local[*]",
         "spark.app.name": "dbt-ivm",
-        "spark.jars.packages": DELTA_PACKAGE,
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
         "spark.sql.warehouse.dir": warehouse,
@@ -110,6 +115,8 @@ def default_spark_conf(
         "spark.ui.retainedStages": "50",
     }
     conf.update(overrides or {})
+    if "spark.jars.packages" not in conf:  # a profile's own jar wins, for any Spark
+        conf["spark.jars.packages"] = delta_package()
     return conf
 
 

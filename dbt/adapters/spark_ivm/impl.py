@@ -55,6 +55,18 @@ class _Executor:
         return rows
 
 
+    def spark_version(self) -> Optional[str]:
+        """The server's Spark version (the embedded session's own), asked once
+        per process (dbt_ivm.refresh.facts.spark_target)."""
+        if self.adapter._ivm_spark_version is None:
+            session = self._session()
+            if session is not None:
+                self.adapter._ivm_spark_version = str(session.version)
+            else:
+                rows = self.query("SELECT version()")
+                self.adapter._ivm_spark_version = str(rows[0][0]) if rows else ""
+        return self.adapter._ivm_spark_version
+
     def _session(self):
         """The embedded Spark session behind this connection, or None (Thrift, ...)."""
         handle = getattr(self.adapter.connections.get_thread_connection().handle, "handle", None)
@@ -132,6 +144,7 @@ def _relation_name(relation: Any) -> str:
 
 
 class SparkIvmAdapter(SparkAdapter):
+    _ivm_spark_version: Optional[str] = None  # the server's, once asked (_Executor.spark_version)
     ConnectionManager = SparkIvmConnectionManager
 
     @classmethod
