@@ -27,12 +27,6 @@ if TYPE_CHECKING:
 
 
 PLAN_STRING, PLAN_STRING_LIMIT = "spark.sql.maxPlanStringLength", "65536"
-# A temporary view keeps its SQL text and is analyzed again at every reference
-# (SPARK-33142); a piece read by several later pieces is then analyzed once per
-# path to it, which grows exponentially with nested affected-key recomputes
-# (measured: a generated model nesting five of them spent minutes in the
-# analyzer before its first job). Keeping the analyzed plan analyzes each once.
-ANALYZED_VIEWS = "spark.sql.legacy.storeAnalyzedPlanForView"
 
 
 # The state is compacted after this many MERGEs that left deletion vectors.
@@ -72,7 +66,7 @@ def run(r: "Refresher", plan: Plan, sources, watermark: Watermark, result: Resul
     # over cached views prints each view's own plan inside it: over nested
     # pieces that text grows with the product of their sizes (TPC-H q20 ran
     # the driver out of heap building it). Capped for the refresh.
-    with materialized(r.run_id) as pieces, r.session_confs({PLAN_STRING: PLAN_STRING_LIMIT, ANALYZED_VIEWS: "true"}):
+    with materialized(r.run_id) as pieces, r.session_confs({PLAN_STRING: PLAN_STRING_LIMIT}):
         r.pieces, r.cached_pieces = pieces, []
         try:
             incremental_statements(r, plan, sources, watermark, result, broadcast)
