@@ -89,7 +89,11 @@ class ThriftSession:
         if not cur.description:
             return _Collected([])
         make = Row(*[d[0] for d in cur.description])
-        return _Collected([make(*r) for r in cur.fetchall()])
+        try:
+            rows = cur.fetchall()
+        except TypeError:  # Spark 3.5's Thrift server answers a DDL statement with a schema but no columns
+            rows = []
+        return _Collected([make(*r) for r in rows])
 
     def newSession(self) -> "ThriftSession":  # noqa: N802 - SparkSession's name
         return ThriftSession()
