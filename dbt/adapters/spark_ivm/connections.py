@@ -254,7 +254,8 @@ def _polling_wrapper():
     costs 5 s. This one looks after 20 ms, then backs off by 1.5× up to the
     same interval; everything else — async execution (the server drops a
     synchronous request after ~5 minutes), errors, retries on a lost
-    connection — is dbt-spark's."""
+    connection — is dbt-spark's. It also reads Spark 3.5's answer to a
+    statement without rows as no rows (``fetchall``)."""
     from dbt.adapters.spark.connections import PyhiveConnectionWrapper, ThriftState
     from dbt_common.exceptions import DbtDatabaseError, DbtRuntimeError
 
@@ -280,6 +281,15 @@ def _polling_wrapper():
             if status.operationState != ThriftState.FINISHED_STATE:
                 name = ThriftState._VALUES_TO_NAMES.get(status.operationState, repr(status.operationState))
                 raise DbtDatabaseError(f"Query failed with status: {name}")
+
+        def fetchall(self):
+            # Spark 3.5's Thrift server answers a statement without rows (DDL, SET,
+            # MERGE) with a result schema but no columns, which pyhive cannot read
+            # (TypeError: 'NoneType' object is not iterable): no rows (docs/NOTES.md)
+            try:
+                return super().fetchall()
+            except TypeError:
+                return []
 
     return ProportionalPolling
 

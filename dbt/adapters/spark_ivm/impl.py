@@ -49,10 +49,7 @@ class _Executor:
     def query(self, sql: str) -> list[tuple]:
         start = time.time()
         _, cursor = self.adapter.connections.add_query(sql, auto_begin=False)
-        try:
-            rows = [tuple(r) for r in cursor.fetchall() or []]
-        except TypeError:  # pyhive over Spark 3.5's Thrift server: a statement without rows
-            rows = []      # (DDL, SET, MERGE) answers a schema but no columns (docs/NOTES.md)
+        rows = [tuple(r) for r in cursor.fetchall() or []]
         logger.debug(f"dbt_ivm: {time.time() - start:.2f}s {sql[:120]}")
         self.timings.append((round(time.time() - start, 2), sql if os.environ.get("DBT_IVM_TIMINGS") == "full" else sql[:60]))
         return rows
