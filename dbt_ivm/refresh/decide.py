@@ -395,6 +395,7 @@ def decide(
     sources: list[Source],
     unsupported: Optional[Reason],
     partition: Optional[Reason] = NOT_PARTITIONED,
+    kind: Optional[str] = None,
 ) -> Decision:
     """Pick the refresh strategy. Pure: every fact is an argument.
 
@@ -420,6 +421,12 @@ def decide(
     if watermark.signature != sig:
         return Decision(FULL, Reason(
             "PLAN_SIGNATURE_MISMATCH", "the model SQL, its partition_by or a source schema changed since the last build"))
+    if kind is not None and watermark.kind != kind:
+        # the same query, now maintained as another kind of state (a compiler
+        # that maintains what an earlier one rebuilt as plain rows): rebuilt once
+        return Decision(FULL, Reason(
+            "STATE_LAYOUT_CHANGED", f"the state holds the model as {watermark.kind} rows; this dbt-ivm maintains it "
+            f"as {kind} state"))
     changed = changed_sources(watermark, sources)
     if not changed:
         return Decision(NOOP, Reason("NO_CHANGES", "no source changed since the last refresh"))

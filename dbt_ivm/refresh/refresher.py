@@ -151,6 +151,7 @@ class Refresher:
             watermark=watermark, sig=sig, sources=sources,
             unsupported=unsupported.reason if unsupported else None,
             partition=part if isinstance(part, Reason) else None,
+            kind=plan.kind if plan else None,
         )
         self.view_present = self.relation in present
         self.view_key = watermark.view if watermark else ""

@@ -47,10 +47,16 @@ def test_changed_source_is_incremental():
     (dict(watermark=wm(3), sources=[Source("db.a", (("i", "int"),), version=5, cdf=False)]), "CDF_DISABLED"),
     (dict(sources=[Source("db.a", (("i", "int"),), kind=OTHER, cdf=False)]), "SOURCE_NOT_DELTA"),
     (dict(watermark=wm(9)), "SOURCE_VERSION_REWOUND"),
+    # a state an earlier compiler rebuilt as plain rows, now planned as an aggregate
+    (dict(watermark=wm(3), kind="aggregate"), "STATE_LAYOUT_CHANGED"),
 ])
 def test_fallbacks_carry_a_reason(kw, code):
     d = run(**kw)
     assert (d.strategy, d.reason.code) == (FULL, code)
+
+
+def test_the_same_kind_of_state_stays_incremental():
+    assert run(watermark=wm(version=3), kind="bag").strategy == INCREMENTAL
 
 
 def test_unchanged_sources_stay_noop_even_if_query_is_unsupported():
