@@ -1,6 +1,6 @@
 """State table, view and the one MERGE per refresh.
 
-State layout (DESIGN.md §4), by root operator:
+State layout (DESIGN.md §2), by root operator:
 
 * bag / distinct: the visible columns, ``__ivm_rid`` (xxhash64 of them) and
   ``__ivm_count`` (the row's multiplicity); one state row per distinct row.

@@ -3,7 +3,7 @@
 Every relation rendered here carries its columns plus a weight column
 ``__ivm_w``: +n means n copies of the row were added, -n that n were removed.
 A snapshot row has weight 1 (or its multiplicity, for a row of an upstream
-incremental_mv's state table). The rules (DESIGN.md §5):
+incremental_mv's state table). The rules (DESIGN.md §3):
 
 * scan:   snapshot = ``t VERSION AS OF v``; delta = ``table_changes(t, v_old+1, v_new)``
           with +w for insert/update_postimage and -w for delete/update_preimage;

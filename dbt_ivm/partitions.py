@@ -4,7 +4,7 @@ A model partitioned by an output column ``P`` can be refreshed partition by
 partition when every output row with ``P = v`` depends on a source's rows only
 through its rows with ``S = v``, for a column ``S`` of that source: then a
 change confined to the source partitions ``S ∈ D`` changes only the model's
-partitions ``P ∈ D``, and those are recomputed (DESIGN.md §5, PARTITION;
+partitions ``P ∈ D``, and those are recomputed (DESIGN.md §6, PARTITION;
 research note §1.2).
 
 ``lineage`` decides it on the qualified query, conservatively: ``P`` must be a

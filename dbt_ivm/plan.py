@@ -111,7 +111,7 @@ class Aggregate:
 
     @property
     def state(self) -> list[str]:
-        """Hidden state columns this aggregate keeps (see DESIGN.md §4)."""
+        """Hidden state columns this aggregate keeps (see DESIGN.md §2)."""
         return {
             "count_star": [],
             "count": [self.col("nn")],

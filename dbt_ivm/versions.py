@@ -25,7 +25,7 @@ class SparkLine:
     scala: str  # Spark's Scala binary version on this line
 
 
-# Checked on Maven Central 2026-11-27 (docs/DESIGN.md, "Supported versions").
+# Checked on Maven Central 2026-11-27 (README.md, "Supported versions").
 LINES = {
     "3.5": SparkLine("3.5", "io.delta:delta-spark_2.12:3.3.2", "2.12"),
     "4.0": SparkLine("4.0", "io.delta:delta-spark_4.0_2.13:4.4.0", "2.13"),
