@@ -1,11 +1,18 @@
 """BENCHMARKS tables, the goal table and the plot from bench.py's raw results.
 
-    ./run report                              # every bench/results/*.json
+    ./run report                              # the current results: rewrites BENCHMARKS.md's top section
+    ./run report --supersede a.json b.json    # these files' tables on stdout (b's cells replace a's)
     .venv/bin/python bench/report.py bench/results/latest.json --plot bench/results/r_plain.png
 
-Cells of several files are pooled (a 10 M run made apart from the 100 k / 1 M
-one, say); medians are taken per (rows, change, shape). Writes markdown to
-stdout (or --output) and the PNG plot of r_plain against source rows.
+With no file named, the report reads the current grid (``CURRENT``, in that
+order, a later file's cells replacing an earlier one's) and the current
+partition-benchmark runs (``PARTITION_CURRENT``), and rewrites the part of
+BENCHMARKS.md between ``<!-- report:begin -->`` and ``<!-- report:end -->``,
+leaving the rest of the file alone; a new benchmark run becomes current by
+naming its file there. With files named, cells of several files are pooled
+(or superseded) and the markdown goes to stdout (or --output). Medians are
+taken per (rows, change, shape). Either way the PNG plot of r_plain against
+source rows is drawn (--plot; --no-plot skips it).
 """
 
 from __future__ import annotations
@@ -25,6 +32,21 @@ from shapes import BY_NAME  # noqa: E402
 GOALS_MAINTAINED = {100_000: 1.1, 1_000_000: 0.7, 10_000_000: 0.2, 100_000_000: 0.05}
 GOALS_FALLBACK = {100_000: 1.1, 1_000_000: 0.9, 10_000_000: 0.5, 100_000_000: 0.2}
 GOAL_ANY, GOAL_FULL, GOAL_READ, GOAL_NOOP_S = 1.1, 1.2, 1.2, 0.5
+
+# The current grid: bench.py runs of 100 k / 1 M / 10 M rows x 0.01-10 % change,
+# read in this order with --supersede (s26_fix_small's 0.1 % cells at 100 k and 1 M,
+# measured on later code, replace s26_small's).
+RESULTS = HERE / "results"
+CURRENT = ("s26_small.json", "s26_fix_small.json", "s26_10m.json", "s26_10m_1pct.json",
+           "s27_10m_001pct.json", "s27_10m_10pct.json")
+# The fallback chain on a partitioned source (bench/partition.py): file, the command that made it.
+PARTITION_CURRENT = (
+    ("partition-1m-s22c.json", "./run bench-partition (1 M rows over 30 days, 5 timed rounds per change: "
+                               "the defaults), saved as partition-1m-s22c"),
+    ("partition-10m-s25.json", "./run bench-partition --rows 10m --days 100 --repeats 5 --name partition-10m-s25"),
+)
+BENCHMARKS = HERE.parent / "BENCHMARKS.md"
+BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
 
 
 def med(xs):
@@ -182,26 +204,74 @@ def plot(cells, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def current_section(cells, meta, problems, partitions) -> str:
+    """The top section of BENCHMARKS.md: the current grid, its goal table, the
+    plot and the partition benchmark, each with the command that made it."""
+    files = " ".join(f"bench/results/{f}" for f in CURRENT)
+    lines = ["## Current results", "",
+             "Written by `./run report` (`bench/report.py`) between the report markers; edit `CURRENT` and "
+             "`PARTITION_CURRENT` in `bench/report.py`, not this section.", "",
+             "### The grid: incremental_mv against a plain dbt `table`", "",
+             f"`./run report` reads, in this order, `{files}` (`--supersede`: a later file's cells replace an "
+             "earlier file's cells of the same size, change and shape). Each file was made by the "
+             "`bench/bench.py` command listed under \"Raw results\" (`./run bench` runs it); every result was "
+             "checked equal to its table.", "",
+             render(cells, meta, problems).rstrip("\n"), "",
+             "### Plot", "",
+             "`r_plain` at 0.1 % change against source rows, drawn by `./run report` from the same cells "
+             "(`bench/results/r_plain.png`):", "",
+             "![r_plain at 0.1 % change against source rows](bench/results/r_plain.png)", "",
+             "### The fallback chain on a partitioned source (`auto` against each forced strategy)", ""]
+    from partition import summary  # bench/partition.py
+
+    for name, command in partitions:
+        report = json.loads((RESULTS / name).read_text())
+        lines += [f"`{command}` ({report['when']}; `bench/results/{name}`; "
+                  f"`bench/partition.py --summary bench/results/{name}` prints it):", "",
+                  summary(report), ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def rewrite(path: Path, section: str) -> None:
+    """Replace the text between BEGIN and END in ``path`` with ``section``."""
+    text = path.read_text()
+    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+        sys.exit(f"{path}: no {BEGIN} ... {END} markers to write between")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    path.write_text(f"{head}{BEGIN}\n{section}{END}{tail}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="*", type=Path)
     p.add_argument("--output", type=Path)
-    p.add_argument("--plot", type=Path, default=HERE / "results" / "r_plain.png")
+    p.add_argument("--plot", type=Path, default=RESULTS / "r_plain.png")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    p.add_argument("--benchmarks", type=Path, default=BENCHMARKS,
+                   help="the file whose report section is rewritten when no results file is named")
     p.add_argument("--supersede", action="store_true",
                    help="a later file's cells replace the earlier files' cells of the same "
                         "(phase, rows, change, shape) instead of pooling with them")
     a = p.parse_args()
-    paths = a.results or sorted((HERE / "results").glob("*.json"))
-    if not paths:
-        sys.exit("no results: run ./run bench first")
-    cells, meta, problems = load(paths, a.supersede)
-    text = render(cells, meta, problems)
-    if a.output:
-        a.output.write_text(text)
+    if a.results:
+        cells, meta, problems = load(a.results, a.supersede)
+        text = render(cells, meta, problems)
+        if a.output:
+            a.output.write_text(text)
+        else:
+            print(text)
     else:
-        print(text)
-    plot(cells, a.plot)
-    print(f"plot: {a.plot}", file=sys.stderr)
+        cells, meta, problems = load([RESULTS / f for f in CURRENT], supersede=True)
+        section = current_section(cells, meta, problems, PARTITION_CURRENT)
+        if a.output:
+            a.output.write_text(section)
+        else:
+            rewrite(a.benchmarks, section)
+            print(f"{a.benchmarks}: report section rewritten", file=sys.stderr)
+    if not a.no_plot:
+        plot(cells, a.plot)
+        print(f"plot: {a.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":
