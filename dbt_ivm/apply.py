@@ -301,7 +301,7 @@ def _guarded(a, merged: Node) -> Node:
     once: aggregate() over a one-element array binds it to a lambda variable (the
     merge's higher-order functions run interpreted and are not shared as common
     subexpressions; evaluating them twice per row cost 1–3 s of a 100 M-row
-    benchmark MERGE, docs/NOTES.md)."""
+    benchmark MERGE, docs/DESIGN.md §3)."""
     empty = exp.and_(exp.EQ(this=call("size", col(M)), expression=num(0)),
                      exp.GT(this=_total_nn(a, "t", "s"), expression=num(0)))
     check = case(empty, call("raise_error", string(RAN_OUT)), col(M))

@@ -135,7 +135,7 @@ def _scaled(seconds: float, before: int, now: int) -> float:
 # The prior slope of an incremental refresh's cost, before refreshes of two
 # change sizes were measured: a changed row costs what this many source rows
 # cost in the newest rebuild. Calibrated on this project's partition
-# benchmark (2 cores, docs/NOTES.md, twentieth session): 1–9 at 10 M rows
+# benchmark (2 cores, docs/DESIGN.md §5): 1–9 at 10 M rows
 # (a projection 1, an aggregate 5, a window 9), 5–24 at 1 M.
 ROW_COST_FACTOR = 5.0
 

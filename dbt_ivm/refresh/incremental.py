@@ -80,7 +80,7 @@ def cache_pieces(r: "Refresher") -> None:
     (a piece reads the ones before it). Lazy: each is computed once, by the
     first job of the statement that reads it, instead of by a job of its own
     (an eager CACHE TABLE ran one statement and one job per piece: 0.2-1 s
-    each at 10 M rows; measured, docs/NOTES.md twenty-sixth session)."""
+    each at 10 M rows; measured, docs/DESIGN.md §3)."""
     for name, query in r.pieces.items[len(r.cached_pieces):]:
         r.ex.query(render(cache_table(name, query, lazy=True)))
         r.cached_pieces.append(name)

@@ -44,7 +44,7 @@ APPEND_AUTO_BYTES = 2 << 20
 
 # ... and a model of plain rows once it wrote this much. Its append layout
 # saves the MERGE that matches every state row on every column (measured on 2
-# cores, BENCHMARKS.md, eighteenth session: 2-3 s against 1.6 s at 6 MiB,
+# cores, docs/DESIGN.md §2: 2-3 s against 1.6 s at 6 MiB,
 # 5.6-7.5 s against 1.2-2.5 s at 20 MiB, 15-20 s against 1.2-3.2 s at 200 MiB),
 # but while a layer holds removals each read scans the state twice, about a
 # second more per read at 6-20 MiB: below this size the trade does not pay.
@@ -63,7 +63,7 @@ DV_AUTO_BYTES = 2 << 20
 # The state's partition count (the cost rule's and the partition threshold's
 # denominator) is carried in the watermark and counted anew after this many
 # refreshes: a count is a Spark job over the state's file list, 0.1–0.25 s of
-# a 1–2 s refresh measured at 1 M rows (BENCHMARKS.md, twenty-second session),
+# a 1–2 s refresh measured at 1 M rows (docs/DESIGN.md §5),
 # and a count some refreshes old moves an estimate by a partition or two in
 # tens. A rebuild the partition threshold would decide on a carried count is
 # decided on a fresh one (a state growing by a partition a day).
@@ -565,8 +565,7 @@ class Refresher:
         versions by the window's net rows from the commit metrics already read
         (no Spark job), for a refresh that did not size the change (a rebuild,
         a partition refresh, a NOOP): else the next incremental refresh counts
-        them again (0.1-0.6 s at 1 M rows; docs/NOTES.md, twenty-sixth
-        session). A count the metrics cannot carry is dropped, and counted
+        them again (0.1-0.6 s at 1 M rows; docs/DESIGN.md §5). A count the metrics cannot carry is dropped, and counted
         when next needed."""
         old = watermark.versions()
         for s in sources:
