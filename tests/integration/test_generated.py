@@ -2,7 +2,7 @@
 literals, nested CTEs and subqueries, joins, aggregates) run through real dbt
 over Delta sources with hostile column names, then random DML, then a refresh:
 every model equals a recompute, and every model the compiler plans refreshes
-incrementally. ``DBT_IVM_GENERATED_MODELS`` (default 12) sets the sample size,
+incrementally. ``DBT_IVM_GENERATED_MODELS`` (default 8) sets the sample size,
 ``DBT_IVM_GENERATED_SEED`` the seed."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ TABLES = {
     f"`{SRC}`.`a`": [("i", "int"), ("j", "int"), ("dot.ted", "int"), ("we ird--x", "int"), ("s", "string")],
     f"`{SRC}`.`b`": [("i", "int"), ("k", "int"), ("s", "string")],
 }
-MODELS = int(os.environ.get("DBT_IVM_GENERATED_MODELS", "12"))
+MODELS = int(os.environ.get("DBT_IVM_GENERATED_MODELS", "8"))
 SEED = int(os.environ.get("DBT_IVM_GENERATED_SEED", "4242"))
 
 
