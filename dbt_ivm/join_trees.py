@@ -65,6 +65,35 @@ def nest(query: exp.Expression) -> exp.Expression:
         n += 1
 
 
+def flatten_leading(query: exp.Expression) -> exp.Expression:
+    """Unwrap every parenthesized join tree that is the first operand of its
+    SELECT's ``FROM``: joins associate to the left, so ``FROM (a JOIN b ON …)
+    LEFT SEMI JOIN c ON …`` is ``FROM a JOIN b ON … LEFT SEMI JOIN c ON …``,
+    the same rows in the same evaluation order. sqlglot's column resolver
+    cannot read a ``FROM`` without a name once a semi or anti join follows
+    ("Unknown table: ''"), and a flat join list is what the delta rules read
+    best; trees in any other place stay and are named by ``nest``. The
+    planner's copy only: the model's own SQL keeps its parentheses.
+
+    >>> import sqlglot
+    >>> q = sqlglot.parse_one("SELECT 1 FROM ((a JOIN b ON a.i = b.i) LEFT JOIN c ON b.i = c.i) LEFT SEMI JOIN d ON c.i = d.i", read="spark")
+    >>> flatten_leading(q).sql("spark")
+    'SELECT 1 FROM a JOIN b ON a.i = b.i LEFT JOIN c ON b.i = c.i LEFT SEMI JOIN d ON c.i = d.i'
+    """
+    for select in list(query.find_all(exp.Select)):
+        while True:
+            from_ = select.args.get("from_")
+            sub = from_.this if from_ is not None else None
+            first = join_tree(sub) if sub is not None and not sub.args.get("joins") else None
+            if first is None or any(first.args.get(k) for k in ("laterals", "pivots")):
+                break
+            joins = first.args.get("joins")
+            first.set("joins", None)
+            from_.set("this", first)
+            select.set("joins", list(joins) + list(select.args.get("joins") or []))
+    return query
+
+
 def _visible(rel: exp.Expression) -> set:
     """The relation names an operand makes visible around it (its own
     trailing joins, if it carries the joins of a tree around it, left out)."""

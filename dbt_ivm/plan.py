@@ -33,7 +33,7 @@ from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.errors import IvmConfigError, Reason, UnsupportedQuery
 from dbt_ivm.names import DIALECT
 from dbt_ivm.grouping_sets import expand as expand_grouping_sets
-from dbt_ivm.join_trees import nest as nest_join_trees
+from dbt_ivm.join_trees import flatten_leading, nest as nest_join_trees
 from dbt_ivm.subqueries import decorrelate
 from dbt_ivm.versions import Target
 from dbt_ivm.support import check_structure, check_support, position, root_decomposable
@@ -411,11 +411,12 @@ def build_plan(sql: str, catalog: Catalog, target: Optional[Target] = None) -> P
 def qualified(tree: exp.Expression, catalog: Catalog) -> exp.Query:
     """A copy of a parsed query with every column qualified by its relation and
     every identifier quoted, GROUPING SETS / ROLLUP / CUBE expanded into a
-    UNION ALL of GROUP BYs, parenthesized join trees as named derived tables
-    (dbt_ivm.join_trees); UnsupportedQuery when the columns do not resolve."""
+    UNION ALL of GROUP BYs, parenthesized join trees flattened where they lead
+    a FROM and named as derived tables elsewhere (dbt_ivm.join_trees);
+    UnsupportedQuery when the columns do not resolve."""
     try:
         query = qualify(
-            tree.copy(),
+            flatten_leading(tree.copy()),
             schema=catalog.schema(),
             dialect=DIALECT,
             validate_qualify_columns=True,

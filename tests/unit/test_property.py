@@ -20,6 +20,7 @@ from sqlglot.optimizer.qualify import qualify
 from dbt_ivm import apply
 from dbt_ivm.audit import consistency_sql
 from dbt_ivm.catalog import Catalog, Source
+from dbt_ivm.join_trees import flatten_leading
 from dbt_ivm.delta import Window
 from dbt_ivm.errors import IvmConfigError, UnsupportedQuery
 from dbt_ivm import names
@@ -66,9 +67,11 @@ def _columns_exist(statement: str, schema: Catalog) -> None:
         tree = tree.expression
     if not isinstance(tree, exp.Query):
         return
-    # the probe's cached views and the recompute CTE are not tables of the schema
-    qualify(_as_tables(tree), schema=schema.schema(), dialect=DIALECT, validate_qualify_columns=True,
-            quote_identifiers=True)
+    # the probe's cached views and the recompute CTE are not tables of the schema;
+    # a join tree leading a FROM is unwrapped first (the same joins: they associate
+    # to the left), as sqlglot's resolver cannot read it once a semi join follows
+    qualify(flatten_leading(_as_tables(tree)), schema=schema.schema(), dialect=DIALECT,
+            validate_qualify_columns=True, quote_identifiers=True)
 
 
 def _statements(sql: str, plan) -> list[str]:
