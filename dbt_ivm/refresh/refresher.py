@@ -565,7 +565,8 @@ class Refresher:
         versions by the window's net rows from the commit metrics already read
         (no Spark job), for a refresh that did not size the change (a rebuild,
         a partition refresh, a NOOP): else the next incremental refresh counts
-        them again (0.1-0.6 s at 1 M rows; docs/DESIGN.md §5). A count the metrics cannot carry is dropped, and counted
+        them again (0.1-0.6 s at 1 M rows; docs/DESIGN.md §5). A count the
+        metrics cannot carry is dropped, and counted
         when next needed."""
         old = watermark.versions()
         for s in sources:
