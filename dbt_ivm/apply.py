@@ -14,14 +14,16 @@ state-row constructor (``_new_state``) builds both, so the two cannot drift.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Optional, Union
 
 from sqlglot import exp
 
 from dbt_ivm.catalog import DELTA, MV, Source
 from dbt_ivm.delta import NEW, W, Window, delta, snapshot
-from dbt_ivm.names import DIALECT
-from dbt_ivm.plan import AGGREGATE, BAG, PREFIX, Plan, parse, source_tables, table_name
+from dbt_ivm.model import Model
+from dbt_ivm.names import DIALECT, PREFIX
+from dbt_ivm.parse import source_tables, table_name
+from dbt_ivm.plan import AGGREGATE, BAG, Plan
 from dbt_ivm.sqltree import (aliased, at_version, call, case, cast, coalesce, col, cte, hint, lam, lateral_view,
                              named, nullsafe_on, num, or_, paren, select, string, table, union_all)
 from dbt_ivm.sqltree import alias as as_
@@ -654,10 +656,11 @@ def view_query(kind: str, columns: list[str], state: str, folded: Optional[exp.Q
     return out
 
 
-def pinned_query(sql: str, sources: list[Source], versions: dict) -> exp.Query:
+def pinned_query(model: Union[str, Model], sources: list[Source], versions: dict) -> exp.Query:
     """The model's own SQL reading every source at the given versions (physical
-    table → version): what a full recompute at those versions returns."""
-    tree = parse(sql)
+    table → version): what a full recompute at those versions returns (a tree
+    of its own, the model's copied)."""
+    tree = Model.of(model).tree.copy()
     by_name = {s.name: s for s in sources}
     for t in source_tables(tree):
         src = by_name.get(table_name(t))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from sqlglot import exp
 
 from dbt_ivm.apply import pinned_query
-from dbt_ivm.plan import PREFIX
+from dbt_ivm.names import PREFIX
 from dbt_ivm.sqltree import (alias, aliased, and_, call, col, cte, named, or_, paren, render, select, string,
                              table, union_all)
 

@@ -32,8 +32,8 @@ from sqlglot import exp
 
 from dbt_ivm.catalog import Source
 from dbt_ivm import names
-from dbt_ivm.names import canonical
-from dbt_ivm.plan import PREFIX, Block, Keyed, Node, Scan, UnionAll
+from dbt_ivm.names import PREFIX, canonical
+from dbt_ivm.planner import Block, Keyed, Node, Scan, UnionAll
 
 W = "__ivm_w"
 OLD, NEW = "old", "new"

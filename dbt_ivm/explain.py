@@ -35,7 +35,10 @@ from dbt_ivm import apply, budget, delta
 from dbt_ivm.catalog import DELTA, MV, Catalog, Source
 from dbt_ivm.errors import IvmError, UnsupportedQuery
 from dbt_ivm.names import canonical, display
-from dbt_ivm.plan import Keyed, Scan, UnionAll, build_plan, parse, referenced_tables, source_tables, table_name
+from dbt_ivm.model import Model
+from dbt_ivm.parse import source_tables, table_name
+from dbt_ivm.plan import build_plan
+from dbt_ivm.planner import Keyed, Scan, UnionAll
 
 INCREMENTAL, PARTITION, FULL, UNKNOWN = "INCREMENTAL", "PARTITION", "FULL", "UNKNOWN"
 
@@ -93,12 +96,15 @@ def _declared(node: dict, catalog_json: dict) -> Optional[list[tuple[str, str]]]
     return None
 
 
-def _inferred(sql: str) -> dict[str, list[tuple[str, str]]]:
+def _inferred(model: Optional[Model]) -> dict[str, list[tuple[str, str]]]:
     """Relation name -> the columns the query names on it (qualified by its
-    alias, or unqualified in a SELECT reading it alone), typed string."""
+    alias, or unqualified in a SELECT reading it alone), typed string; none
+    when the SQL did not parse (``model`` None)."""
     out: dict = {}
+    if model is None:
+        return out
     try:
-        for scope in traverse_scope(parse(sql)):
+        for scope in traverse_scope(model.tree):
             tables = {alias: src for alias, src in scope.sources.items() if isinstance(src, exp.Table)}
             for col in scope.columns:
                 src = tables.get(col.table) if col.table else (
@@ -149,7 +155,11 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
     except Exception as e:  # noqa: BLE001 - any Jinja failure: say what is needed
         return {**out, "strategy": UNKNOWN, "reason": "RENDER_NEEDS_DBT",
                 "detail": f"the model's Jinja needs dbt to render ({str(e)[:160]}): run `dbt compile` first"}
-    inferred = _inferred(sql)
+    try:
+        model: Optional[Model] = Model.of(sql)
+    except Exception:  # noqa: BLE001 - unreadable SQL: it raises below, where it is first needed
+        model = None
+    inferred = _inferred(model)
     facts: dict = {}
     for dep in (node.get("depends_on") or {}).get("nodes") or []:
         dnode = nodes.get(dep) or sources.get(dep)
@@ -163,7 +173,8 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
             continue
         facts[name] = Source(name=name, columns=tuple(columns), kind=kind, version=0, cdf=True,
                              state_table=name + "__state" if kind == MV else None)
-    missing = [t for t in dict.fromkeys(table_name(t) for t in source_tables(parse(sql))) if t not in facts]
+    model = model or Model.of(sql)  # unreadable SQL raises its IvmConfigError here
+    missing = [t for t in dict.fromkeys(table_name(t) for t in source_tables(model.tree)) if t not in facts]
     if missing:
         return {**out, "strategy": UNKNOWN, "reason": "NEEDS_CATALOG",
                 "detail": f"no columns known for {', '.join(display(m) for m in missing)}: declare them in YAML "
@@ -173,7 +184,7 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
     partition_by = config.get("partition_by")
     partition_by = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
     try:
-        plan = budget.check(build_plan(sql, catalog))
+        plan = budget.check(build_plan(model, catalog))
     except UnsupportedQuery as u:
         verdict = {"strategy": FULL, "reason": u.reason.code, "detail": u.reason.detail, "hint": u.reason.hint,
                    "at": u.reason.where or None,
@@ -181,7 +192,7 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
         if any("*" in c for c in [sql]) and any(s.columns and inferred.get(n) == list(s.columns)
                                                 for n, s in facts.items()):
             verdict["assumptions"] = ["columns were inferred from the query: `*` may hide more"]
-        part = _partition_verdict(sql, catalog, partition_by)
+        part = _partition_verdict(model, catalog, partition_by)
         if part is not None and part[0]:
             verdict.update(strategy=PARTITION, partition_column=part[1])
             out["assumptions"].append(
@@ -199,7 +210,7 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
             "delta_plan": describe_plan(plan.input), "column_types": list(types.items())}
 
 
-def _partition_verdict(sql: str, catalog: Catalog, partition_by: list,
+def _partition_verdict(model: Model, catalog: Catalog, partition_by: list,
                        partitions: Optional[dict] = None, only: Optional[str] = None) -> Optional[tuple]:
     """(traceable, column, text) of the model's partition columns, None without
     partition_by. ``partitions``: each source's partition columns where known
@@ -211,7 +222,7 @@ def _partition_verdict(sql: str, catalog: Catalog, partition_by: list,
     why = []
     for col in partition_by:
         try:
-            ties = lineage(sql, catalog, col)
+            ties = lineage(model, catalog, col)
         except IvmError as e:
             why.append(str(e))
             continue
@@ -235,12 +246,13 @@ def explain_live(ex, sql: str, config: dict) -> dict:
     from dbt_ivm.refresh.facts import describe_source, spark_target
     from dbt_ivm.refresh.watermark import Watermark
 
-    sources = [describe_source(ex, n) for n in referenced_tables(sql)]
+    model = Model.of(sql)
+    sources = [describe_source(ex, n) for n in model.tables]
     catalog = Catalog({s.name: s for s in sources})
     out: dict = {"sources": [{"name": display(s.name), "kind": s.kind, "change_feed": s.cdf,
                               "partitions": list(s.partitions)} for s in sources]}
     try:
-        plan = budget.check(build_plan(sql, catalog, spark_target(ex)))
+        plan = budget.check(build_plan(model, catalog, spark_target(ex)))
         unsupported = None
         out.update(kind=plan.kind, delta_plan=describe_plan(plan.input))
     except UnsupportedQuery as u:
@@ -258,7 +270,7 @@ def explain_live(ex, sql: str, config: dict) -> dict:
             by_source[display(s.name)] = {"strategy": INCREMENTAL, "reason": None}
             continue
         step = {"strategy": FULL, "reason": inc.code, "detail": inc.detail, "hint": inc.hint}
-        part = _partition_verdict(sql, catalog, partition_by, {s.name: s.partitions}, only=s.name)
+        part = _partition_verdict(model, catalog, partition_by, {s.name: s.partitions}, only=s.name)
         if part is not None and part[0]:
             step.update(strategy=PARTITION, partition_column=part[1])
         elif part is not None:

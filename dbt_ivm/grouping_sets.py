@@ -7,7 +7,7 @@ aggregate arguments: ``sum(b)`` still sums b), ``grouping(x)`` is 1 or 0 and
 ``grouping_id(…)`` its bits, as Spark defines them. The empty set groups by
 a constant: Spark's grouping sets give no row over no input (they group by
 the set's id), unlike a global aggregate. Each arm is then an ordinary GROUP
-BY, maintained by affected-key recompute on its keys (plan.Keyed).
+BY, maintained by affected-key recompute on its keys (planner.Keyed).
 
 Pure: a qualified sqlglot tree in, the rewritten tree out.
 """

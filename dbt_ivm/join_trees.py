@@ -14,7 +14,7 @@ relations by alias; this one rewrites each tree, outermost first, into
 and the reads around it into ``__ivm_p<n>.__ivm_j<k>``: the same rows, the
 same evaluation order, and a relation the delta rules can key (an outer join
 over it on ``a.i = __ivm_p0.__ivm_j0``). The model's own SQL, which a rebuild
-and the audit run, is never rewritten (``plan.parse`` keeps the parentheses).
+and the audit run, is never rewritten (``parse.parse`` keeps the parentheses).
 
 Pure: a qualified sqlglot tree in, the same tree rewritten in place.
 """

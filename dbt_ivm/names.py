@@ -51,7 +51,7 @@ class IvmSpark(Spark):
       without it — ``max_by(x, y, 3)`` became ``MAX_BY(x, y)``, ``to_char(d,
       'yyyy')`` a cast to string: another query, silently). The three calls
       found so far are written back as Spark reads them (``_call``); any other
-      raises ``UnsupportedError``, which ``plan.parse`` turns into a
+      raises ``UnsupportedError``, which ``parse.parse`` turns into a
       configuration error naming the construct;
     * a WITH stays where the tree has it (below).
     """
@@ -91,6 +91,9 @@ class IvmSpark(Spark):
 
 # Registered by sqlglot under the class name, lower-cased.
 DIALECT = "ivmspark"
+# The prefix of every name incremental_mv makes up (hidden state columns,
+# aliases, CTEs): reserved, a model's own columns may not use it.
+PREFIX = "__ivm_"
 
 TableRef = Union[str, Iterable[str], exp.Table]
 

@@ -24,14 +24,15 @@ Pure: sqlglot trees in, names out; no Spark.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from sqlglot import exp
 
 from dbt_ivm.catalog import Catalog
 from dbt_ivm.errors import IvmConfigError, UnsupportedQuery
 from dbt_ivm.names import DIALECT, canonical
-from dbt_ivm.plan import cte_of, parse, qualified, table_name
+from dbt_ivm.model import Model
+from dbt_ivm.parse import cte_of, qualified, table_name
 from dbt_ivm.subqueries import decorrelate
 
 
@@ -52,16 +53,17 @@ class Lineage:
         return None if source in self.mapped else f"the model does not read {source}"
 
 
-def lineage(sql: str, catalog: Catalog, column: str) -> Lineage:
-    """The lineage of output column ``column`` of the model ``sql`` (see the module)."""
+def lineage(model: Union[str, Model], catalog: Catalog, column: str) -> Lineage:
+    """The lineage of output column ``column`` of the model (or its SQL; see the module)."""
     column = column.lower()
     out = Lineage(column)
+    model = Model.of(model)
     try:
-        tree = qualified(parse(sql), catalog)
+        tree = qualified(model.tree, catalog)  # a copy
         decorrelate(tree)  # EXISTS / IN subqueries: semi and anti joins, traced like joins
     except (UnsupportedQuery, IvmConfigError) as e:
         reason = f"its columns could not be traced ({str(e)[:200]})"
-        for t in _tables(parse(sql)):
+        for t in _tables(model.tree):
             out.unmapped.setdefault(table_name(t), reason)
         return out
     if column not in [c.lower() for c in tree.named_selects]:

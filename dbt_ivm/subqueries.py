@@ -32,7 +32,7 @@ In the SELECT list or HAVING of a grouped SELECT the new columns join its
 GROUP BY: the value is one per group (uncorrelated: one in all; correlated:
 its outer columns are group keys already), so the groups stay the same.
 
-The joins are then maintained like any other (plan.Keyed: semi/anti/outer
+The joins are then maintained like any other (planner.Keyed: semi/anti/outer
 joins on their equi-join keys, the scalar aggregate recomputed when its
 inputs change). Left alone (the support walker names them): a predicate under
 OR or NOT of a compound, a ``NOT IN`` correlated other than by equalities,
@@ -57,8 +57,9 @@ _NULL_ON_EMPTY = (exp.Sum, exp.Avg, exp.Min, exp.Max, exp.Stddev, exp.StddevPop,
                   exp.LogicalAnd, exp.LogicalOr, exp.Median, exp.PercentileCont, exp.PercentileDisc)
 
 
-def decorrelate(query: exp.Expression) -> None:
-    """Rewrite every rewritable subquery of ``query`` in place, innermost first."""
+def decorrelate(query: exp.Expression) -> exp.Expression:
+    """Rewrite every rewritable subquery of ``query`` in place, innermost
+    first; returns ``query`` (a rule of dbt_ivm.plan.RULES)."""
     count = [0]
 
     def fresh() -> str:
@@ -70,6 +71,7 @@ def decorrelate(query: exp.Expression) -> None:
             continue
         _predicates(select, fresh)
         _scalars(select, fresh)
+    return query
 
 
 def _conjuncts(cond: exp.Expression) -> list[exp.Expression]:

@@ -4,14 +4,21 @@ One walker over the qualified query returns typed reasons, one per construct it
 cannot maintain; an empty list means the incremental path is available. The
 README's "Supported queries" section follows this file rule for rule, and every
 reason has a pinned test (tests/fixtures/unsupported.sql).
+
+The compiler's checks (rules of ``dbt_ivm.plan.RULES``, each ``rule(tree, …)
+-> tree``) are at the end: invalid input raises IvmConfigError, a query the
+planner does not maintain UnsupportedQuery with its reasons.
 """
 
 from __future__ import annotations
 
 from sqlglot import exp
 
+from dbt_ivm.catalog import Catalog
 from dbt_ivm.determinism import find_nondeterministic, find_order_dependent
-from dbt_ivm.errors import Reason
+from dbt_ivm.errors import IvmConfigError, Reason, UnsupportedQuery
+from dbt_ivm.names import PREFIX
+from dbt_ivm.parse import source_tables, table_name
 
 _HINT_FULL = "the model is refreshed by full rebuilds"
 
@@ -155,7 +162,7 @@ def _is_relation(subquery: exp.Subquery) -> bool:
 def _check_join(join: exp.Join, add) -> None:
     """Inner and cross joins are linear (delta rules); outer, semi and anti
     joins are maintained by affected-key recompute on their equi-join keys
-    (plan.Keyed; one without an equality is refused there)."""
+    (planner.Keyed; one without an equality is refused there)."""
     side = (join.side or "").upper()
     kind = (join.kind or "").upper()
     if kind in ("SEMI", "ANTI") and side not in ("", "LEFT"):
@@ -168,7 +175,7 @@ def root_decomposable(select: exp.Select) -> bool:
     """A root aggregate the aggregate state maintains from deltas alone: COUNT,
     SUM, AVG, MIN and MAX without DISTINCT or FILTER, no HAVING, no DISTINCT,
     every select expression built from keys and aggregates. Any other
-    aggregate is maintained by recomputing the affected groups (plan.Keyed)."""
+    aggregate is maintained by recomputing the affected groups (planner.Keyed)."""
     group = select.args.get("group")
     if select.args.get("having") or select.args.get("distinct"):
         return False
@@ -196,3 +203,71 @@ def _covered_by_keys(expr: exp.Expression, keys: list[exp.Expression]) -> bool:
     if isinstance(expr, exp.Column):
         return False
     return all(_covered_by_keys(c, keys) for c in expr.iter_expressions())
+
+
+# --------------------------------------------------------------------------- the compiler's checks (plan.RULES)
+
+
+def require_query(tree: exp.Expression) -> exp.Query:
+    """A model is a query: IvmConfigError for any other statement."""
+    if not isinstance(tree, exp.Query):
+        raise IvmConfigError(
+            f"incremental_mv models must be a SELECT query, got {tree.key.upper()}."
+        )
+    return tree
+
+
+def known_sources(tree: exp.Query, catalog: Catalog) -> exp.Query:
+    """IvmConfigError unless the catalog has facts for every relation read."""
+    missing = [n for n in dict.fromkeys(table_name(t) for t in source_tables(tree)) if n not in catalog]
+    if missing:
+        raise IvmConfigError(f"incremental_mv has no catalog facts for {', '.join(missing)}: "
+                             "does the relation exist?")
+    return tree
+
+
+def structure(tree: exp.Query, catalog: Catalog) -> exp.Query:
+    """UnsupportedQuery for the constructs the planner does not read row by row
+    (check_structure): a rebuild runs the SQL as written."""
+    columns_read = [c for s in catalog.sources.values() for c in s.column_names]
+    structural = check_structure(tree, columns_read)
+    if structural:
+        raise UnsupportedQuery(structural)
+    return tree
+
+
+def output_columns(query: exp.Query) -> exp.Query:
+    """IvmConfigError for output column names that use the reserved prefix or
+    appear twice (case-insensitively)."""
+    columns = [c.lower() for c in query.named_selects]
+    reserved = [c for c in columns if c.startswith(PREFIX)]
+    if reserved:
+        raise IvmConfigError(
+            f"Column name(s) {', '.join(reserved)} use the prefix '{PREFIX}', which "
+            "incremental_mv reserves for its hidden bookkeeping columns. Rename them "
+            "with an alias."
+        )
+    dupes = sorted({c for c in columns if columns.count(c) > 1})
+    if dupes:
+        raise IvmConfigError(
+            f"Column name(s) {', '.join(dupes)} appear more than once in the model's "
+            "SELECT list; give every output column a unique alias."
+        )
+    return query
+
+
+def supported(query: exp.Query, catalog: Catalog, tables: tuple) -> exp.Query:
+    """UnsupportedQuery with every reason of check_support, and one for source
+    columns (of the relations ``tables``) that use the reserved prefix."""
+    reasons = check_support(query)
+    sources = [catalog.get(n) for n in tables]
+    reserved = [f"{s.name}.{c}" for s in sources for c in s.column_names if c.startswith(PREFIX)]
+    if reserved:
+        reasons.append(Reason(
+            "UNSUPPORTED_RESERVED_COLUMN",
+            f"source column(s) {', '.join(reserved)} use the prefix '{PREFIX}' of incremental_mv's "
+            "hidden bookkeeping columns",
+            "the model is refreshed by full rebuilds; rename the source column to maintain it"))
+    if reasons:
+        raise UnsupportedQuery(reasons)
+    return query

@@ -12,7 +12,8 @@ from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.errors import IvmConfigError, UnsupportedQuery
 from sqlglot import exp
 
-from dbt_ivm.plan import build_plan, referenced_tables
+from dbt_ivm.parse import referenced_tables
+from dbt_ivm.plan import build_plan, signature
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -46,7 +47,7 @@ def test_supported_queries_plan(line):
     assert plan.kind == kind
     assert plan.columns == columns.split(",")
     assert [s.name for s in plan.sources] == referenced_tables(sql)
-    assert len(plan.signature) == 16
+    assert len(signature(sql, plan.sources)) == 16
 
 
 def test_reserved_prefix_is_a_config_error():
@@ -90,11 +91,12 @@ def test_sql_that_cannot_be_written_faithfully_is_a_config_error():
 
 
 def test_signature_changes_with_sql_and_schema():
-    p1 = build_plan("select i from db.a", CATALOG)
-    p2 = build_plan("select i from db.a where j > 0", CATALOG)
+    plain, filtered = "select i from db.a", "select i from db.a where j > 0"
+    p1 = build_plan(plain, CATALOG)
+    p2 = build_plan(filtered, CATALOG)
     wider = Catalog({"db.a": Source("db.a", (("i", "int"), ("j", "int"), ("d", "double"), ("e", "int")))})
-    p3 = build_plan("select i from db.a", wider)
-    assert len({p1.signature, p2.signature, p3.signature}) == 3
+    p3 = build_plan(plain, wider)
+    assert len({signature(plain, p1.sources), signature(filtered, p2.sources), signature(plain, p3.sources)}) == 3
 
 
 def test_aggregate_plan_dedupes_identical_calls():
@@ -275,7 +277,7 @@ def test_row_number_ties_are_broken_by_every_column_read():
 
 
 def test_subquery_predicates_become_semi_and_anti_joins():
-    from dbt_ivm.plan import Keyed
+    from dbt_ivm.planner import Keyed
 
     plan = build_plan("select a.i from db.a a where a.j > 0 and a.i in (select b.k from db.b b where b.i > 1) "
                       "and not exists (select 1 from db.b c where c.i = a.i and c.k <> a.j)", CATALOG)
@@ -353,7 +355,7 @@ def test_where_conjuncts_of_the_preserved_side_go_below_a_semi_join():
     relations before the semi join (cached on their own by a recompute) keep
     their join conditions, not a cross product; conditions reading the
     null-supplying side of an outer join stay above it."""
-    from dbt_ivm.plan import Keyed
+    from dbt_ivm.planner import Keyed
 
     plan = build_plan("select a.i, b.k from db.a a, db.b b where a.i = b.i and a.j > 0 "
                       "and exists (select 1 from db.b c where c.k = a.j)", CATALOG)

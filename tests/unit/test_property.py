@@ -192,7 +192,7 @@ def run(count: int, seed: int) -> dict:
 
 
 def _read(sql: str) -> list[str]:
-    from dbt_ivm.plan import referenced_tables
+    from dbt_ivm.parse import referenced_tables
 
     return [n for n in referenced_tables(sql) if n in CATALOG]
 
