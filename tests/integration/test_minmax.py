@@ -1,4 +1,4 @@
-"""MIN/MAX through the bounded top-k state (apply.TOP_K values per group): removed
+"""MIN/MAX through the bounded top-k state (topk.TOP_K values per group): removed
 extremes are replaced from the state, added values beyond the kept prefix stay
 out of it, and a group whose top-k runs out is recomputed from the sources."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dbt_ivm.apply import TOP_K
+from dbt_ivm.topk import TOP_K
 from tests.harness import DbtProject, check_model, fresh_schemas, sql
 
 pytestmark = pytest.mark.spark

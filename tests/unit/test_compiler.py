@@ -114,7 +114,8 @@ def _minmax_plan():
 def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
     import sqlglot
 
-    from dbt_ivm.apply import merge_statement, recompute_groups
+    from dbt_ivm.aggregate_state import recompute_groups
+    from dbt_ivm.apply import merge_statement
     from dbt_ivm.delta import Window
 
     plan = _minmax_plan()
@@ -130,7 +131,7 @@ def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
     assert "TABLE_CHANGES" in probe.upper() and "`__ivm_a1_rm` > 0" in probe
     assert probe.startswith("SELECT /*+ BROADCAST(`a`) */ `t`.`__ivm_k0`, TRUE AS `__ivm_rc` FROM")
     # without a recompute a run-out top-k fails the MERGE (nothing written); with one it cannot
-    from dbt_ivm.apply import RAN_OUT
+    from dbt_ivm.topk import RAN_OUT
     assert merge.count(f"RAISE_ERROR('{RAN_OUT}')") == 2 and RAN_OUT not in full
     # ... and each merged top-k is written twice per aggregate, not four times:
     # once for the state column (bound to a lambda variable for the guard), once
@@ -198,10 +199,8 @@ def test_append_layout_of_a_bag():
     negative row), and a fold that sums only rows whose RID carries another count."""
     import sqlglot
 
-    from dbt_ivm.apply import (
-        append_eligible, append_statement, bag_state_of_query, consolidated_state, folded_state, state_query,
-        state_repeats,
-    )
+    from dbt_ivm.apply import append_eligible, append_statement, bag_state_of_query, folded_state, state_query
+    from dbt_ivm.bag_state import consolidated_state, state_repeats
     from dbt_ivm.delta import Window
 
     cat = Catalog({"db.a": Source("db.a", (("i", "int"), ("j", "int")), kind="delta", version=3, cdf=True)})
@@ -441,7 +440,7 @@ def test_window_partition_expressions_are_computed_below_the_window():
 def test_minmax_statements_fit_the_spark_they_run_on(spark, heap):
     """min_by/max_by with a count (the top-k state's bounded heap) exist from
     Spark 4.2 on; before, the state takes the portable form (collect, sort)."""
-    from dbt_ivm import apply
+    from dbt_ivm import aggregate_state, apply
     from dbt_ivm.delta import Window
     from dbt_ivm.versions import Target
 
@@ -450,7 +449,7 @@ def test_minmax_statements_fit_the_spark_they_run_on(spark, heap):
     types = {c: "string" for c in plan.columns}
     statements = [apply.state_query(plan, Window(new=window.new), types),
                   apply.merge_statement(plan, "`db`.`m__ivm_state`", window, types),
-                  apply.recompute_groups(plan, "`db`.`m__ivm_state`", window)]
+                  aggregate_state.recompute_groups(plan, "`db`.`m__ivm_state`", window)]
     calls = [c for s in statements for c in s.find_all(exp.Anonymous) if c.name.lower() in ("min_by", "max_by")]
     assert bool(calls) == heap
     assert all(len(c.expressions) == 3 for c in calls)

@@ -315,7 +315,7 @@ class _RanOut(_Recorder):
         self.groups = groups
 
     def query(self, sql):
-        from dbt_ivm.apply import RAN_OUT
+        from dbt_ivm.topk import RAN_OUT
 
         self.sql.append(sql)
         if sql.startswith("MERGE") and "__ivm_g" not in sql and self.groups:

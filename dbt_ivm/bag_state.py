@@ -1,0 +1,112 @@
+"""The state of a bag or DISTINCT root: the visible columns, ``__ivm_rid``
+(xxhash64 of them) and ``__ivm_count`` (the row's multiplicity) — one state
+row per distinct row under the merge layout, unit rows and signed layers under
+the append layout (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sqlglot import exp
+
+from dbt_ivm.delta import NEW, W, Window, delta, snapshot
+from dbt_ivm.names import PREFIX
+from dbt_ivm.plan import Plan
+from dbt_ivm.sqltree import aliased, col, hint, nullsafe_on, num, or_, select, union_all
+from dbt_ivm.sqltree import alias as as_
+from dbt_ivm.state_rows import (COUNT, RID, Node, col_list, plus_cols, row_hash, state_ref, state_rows, unit_rows,
+                                unit_weights)
+
+
+def _consolidated(rel: exp.Query, cols: list[str]) -> exp.Select:
+    """Each distinct row of a weighted relation once, its weights summed into
+    COUNT; rows summing to 0 dropped."""
+    total = exp.Sum(this=col(W))
+    return (select(*col_list(cols), as_(total, COUNT)).from_(aliased(rel, f"{PREFIX}d"))
+            .group_by(*col_list(cols)).having(exp.NEQ(this=total.copy(), expression=num(0))))
+
+
+def distinct_state(plan: Plan, window: Window) -> exp.Select:
+    rel = snapshot(plan.input, window, NEW)
+    return (select(*col_list(plan.columns), as_(row_hash(plan.columns), RID), col(COUNT))
+            .from_(aliased(_consolidated(rel, plan.columns), f"{PREFIX}s")))
+
+
+def bag_merge(plan: Plan, state: str, window: Window) -> Optional[exp.Merge]:
+    d = delta(plan.input, window)
+    if d is None:
+        return None
+    cols = plan.columns
+    whens = [
+        exp.When(matched=True, condition=exp.LTE(this=plus_cols(COUNT, "t", "s"), expression=num(0)),
+                 then=exp.Var(this="DELETE")),
+        exp.When(matched=True, then=exp.Update(expressions=[exp.EQ(this=col(COUNT), expression=plus_cols(COUNT, "t", "s"))])),
+        exp.When(matched=False, condition=exp.GT(this=col(COUNT, "s"), expression=num(0)), then=exp.Insert(
+            this=exp.Tuple(expressions=col_list(cols) + [col(RID), col(COUNT)]),
+            expression=exp.Tuple(expressions=col_list(cols, "s") + [row_hash(cols, "s"), col(COUNT, "s")]))),
+    ]
+    return exp.Merge(this=state_ref(state, "t"), using=aliased(_consolidated(d, cols), "s"),
+                     on=nullsafe_on(cols, "t", "s"), whens=exp.Whens(expressions=whens))
+
+
+def bag_units(plan: Plan, window: Window) -> exp.Select:
+    """A bag's whole state: its rows as unit rows."""
+    rel = snapshot(plan.input, window, NEW)
+    return unit_rows(rel, plan.columns, W, unit_weights(plan))
+
+
+def state_repeats(state: str) -> exp.Select:
+    """How many rows of a plain-row state under the merge layout repeat
+    another's RID: 0 means it holds one row per distinct row, as the MERGE
+    needs (distinct hashes imply distinct rows; a collision only counts as a
+    repeat, and the state is then consolidated for nothing)."""
+    repeats = exp.Sub(this=exp.Count(this=num(1)), expression=exp.Count(this=exp.Distinct(expressions=[col(RID)])))
+    return select(repeats).from_(state_ref(state))
+
+
+def consolidated_state(cols: list[str], state: str) -> exp.Select:
+    """A plain-row state's rows consolidated: one per distinct row, its counts
+    summed (the INSERT OVERWRITE of a state that state_repeats found repeats in)."""
+    return (select(*col_list(cols), col(RID), as_(exp.Sum(this=col(COUNT)), COUNT)).from_(state_ref(state))
+            .group_by(*col_list(cols), col(RID)))
+
+
+def bag_layer(plan: Plan, state: str, window: Window) -> Optional[exp.Insert]:
+    """The append layout's INSERT for a bag: the window's net change per row
+    (_consolidated), added rows as unit rows, removed ones as one row of
+    negative count — no read of the state. None: nothing under it changed."""
+    d = delta(plan.input, window)
+    if d is None:
+        return None
+    change = _consolidated(d, plan.columns)
+    return exp.Insert(this=state_ref(state), expression=unit_rows(change, plan.columns, COUNT, False))
+
+
+def folded_bag(cols: list[str], state: str, where: Optional[Node] = None) -> exp.Union:
+    """A layered bag's rows, as unit state rows. Every row of a bag's state is
+    a unit row (COUNT 1) except a layer's removals (negative) and, in a state
+    written under the merge layout, consolidated duplicates (> 1). Rows whose
+    RID never carries another count are the bag's rows as they stand (a scan
+    with a broadcast anti join); the few others are summed per row, dropped
+    where no copy is left, and repeated. The second branch scans the state
+    again even when it finds nothing (measured: a read costs 1.4-1.9x the
+    state's scan with no such RID, about 3x with a few; BENCHMARKS.md)."""
+    b, n = f"{PREFIX}b", f"{PREFIX}n"
+
+    def odd() -> Node:  # no DISTINCT: a shuffle for nothing
+        other = or_([exp.LT(this=col(COUNT), expression=num(1)), exp.GT(this=col(COUNT), expression=num(1))])
+        return aliased(select(col(RID)).from_(state_rows(state, where, f"{PREFIX}o")).where(other), n)
+
+    def on() -> Node:
+        return exp.EQ(this=col(RID, b), expression=col(RID, n))
+
+    kept = select(*col_list(cols, b), col(RID, b), col(COUNT, b)).from_(state_rows(state, where, b))
+    kept = kept.join(odd(), on=on(), join_type="left anti")
+    kept.set("hint", hint("BROADCAST", n))
+    total = exp.Sum(this=col(COUNT, b))
+    summed = (select(*col_list(cols, b), as_(total, COUNT)).from_(state_rows(state, where, b))
+              .join(odd(), on=on(), join_type="left semi").group_by(*col_list(cols, b))
+              .having(exp.GT(this=total.copy(), expression=num(0))))
+    summed.set("hint", hint("BROADCAST", n))
+    return union_all(kept, unit_rows(summed, cols, COUNT, False))
