@@ -23,7 +23,7 @@ MODELS = {
     "joined": "select e.d, e.k, e.v, m.name from {{ source('src', 'ev') }} e "
               "join {{ source('src', 'dim') }} m on e.k = m.k where e.k <> 3",
     # an expression among the window's keys: computed below the window, so the
-    # partition refresh's filter on d still reaches the scan (plan._project_partition_keys,
+    # partition refresh's filter on d still reaches the scan (planner._project_partition_keys,
     # test_the_partition_recompute_reads_only_the_changed_partitions)
     "ranked": "select d, k, v, row_number() over (partition by d, k % 2 order by v desc, k) as rn "
               "from {{ source('src', 'ev') }}",
@@ -261,7 +261,7 @@ def test_the_partition_recompute_reads_only_the_changed_partitions(project):
     """A partition refresh filters the recompute on the model's column; Spark
     must carry that filter down to the source's scan through each model's
     operators — a GROUP BY key, an equi-join, a window's PARTITION BY key
-    (plan._nest_windows: it names its columns above the window) — or a
+    (planner._nest_windows: it names its columns above the window) — or a
     refresh of one day reads and windows every day (10 M rows: 11 s, about a
     plain table's rebuild)."""
     from dbt_ivm import apply

@@ -173,7 +173,7 @@ MODELS: dict[str, tuple[str, tuple, tuple]] = {
         inner join {{ source('rnd', 't_c') }} c on b.jk2 = c.jk2
         group by b.jk2, c.cat
     """, ("t_a", "t_b", "t_c"), ()),
-    # affected-key recompute (plan.Keyed): an outer join with a residual
+    # affected-key recompute (planner.Keyed): an outer join with a residual
     # condition, EXISTS / NOT EXISTS, the latest row per key, HAVING over a
     # non-decomposable aggregate
     "k1_left_join": (f"""
