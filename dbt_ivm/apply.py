@@ -22,7 +22,6 @@ from typing import Optional, Union
 
 from sqlglot import exp
 
-from dbt_ivm import aggregate_state, bag_state, topk
 from dbt_ivm.aggregate_state import (aggregate_full_state, aggregate_layer, aggregate_merge, folded_aggregate,
                                      group_changes)
 from dbt_ivm.bag_state import bag_layer, bag_merge, bag_units, distinct_state, folded_bag
@@ -34,14 +33,6 @@ from dbt_ivm.parse import source_tables, table_name
 from dbt_ivm.plan import AGGREGATE, BAG, Plan
 from dbt_ivm.sqltree import aliased, at_version, select
 from dbt_ivm.state_rows import COUNT, Node, col_list, repeat_rows, state_ref, unit_rows
-
-# Still used as apply.<name> by dbt_ivm.refresh (their homes are the modules named).
-RAN_OUT = topk.RAN_OUT
-recompute_groups = aggregate_state.recompute_groups
-avg_args_query = aggregate_state.avg_args_query
-avg_sum_types = aggregate_state.avg_sum_types
-state_repeats = bag_state.state_repeats
-consolidated_state = bag_state.consolidated_state
 
 
 def append_eligible(plan: Optional[Plan]) -> bool:

@@ -31,12 +31,12 @@ def expanded_reads(plan: Plan) -> int:
     """The relation reads of the plan's change for a window where every
     source changed, each shared piece counted once per read of it (as Spark
     inlines it)."""
-    window = Window(old={s.physical: 1 for s in plan.sources}, new={s.physical: 2 for s in plan.sources})
-    with materialized("size") as pieces:
-        statement = delta(plan.input, window)
+    window = materialized(Window(old={s.physical: 1 for s in plan.sources},
+                                 new={s.physical: 2 for s in plan.sources}), "size")
+    statement = delta(plan.input, window)
     if statement is None:
         return 0
-    bodies = dict(pieces.items)
+    bodies = dict(window.pieces.items)
     sizes: dict = {}
 
     def size(query: exp.Expression) -> int:

@@ -63,9 +63,9 @@ def delta_jars(home: Path, env: dict) -> list[str]:
     with ``--packages`` alone a Thrift server's sessions fail to find the
     ``delta`` data source (delta-io/delta#1341: the jars sit in a child class
     loader that the server's operations do not always use)."""
-    from dbt.adapters.spark_ivm.connections import delta_package
+    from dbt_ivm.versions import session_line
 
-    package = delta_package()
+    package = session_line().delta_package
     cached = home / f"delta-jars-{package.replace(':', '_')}.txt"  # one per Spark line's jar
     if cached.exists():
         jars = cached.read_text().split()

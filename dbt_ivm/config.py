@@ -1,9 +1,13 @@
-"""The ``ivm_*`` model configs: each checked for type and range before any SQL
-runs. An error names the model, the key, the value given and what is accepted.
+"""The model configs of an ``incremental_mv``: one table of keys (``KEYS``)
+feeds the materialization (which reads exactly these from the model), the
+validation and the README's table (checked by tests/unit/test_docs.py); a
+model's values are checked for type and range before any SQL runs and held in
+one frozen ``Config``. An error names the model, the key, the value given and
+what is accepted.
 
->>> validate_config({"ivm_policy": "FULL", "ivm_change_feed": True})["ivm_policy"]
+>>> Config.of({"ivm_policy": "FULL", "ivm_change_feed": True}).policy
 'full'
->>> validate_config({"ivm_policy": 0}, model="m")
+>>> Config.of({"ivm_policy": 0}, model="m")
 Traceback (most recent call last):
 ...
 dbt_ivm.errors.IvmConfigError: Invalid ivm_policy provided for model m: 0 (int). Expected one of: auto, incremental, partition, full.
@@ -12,9 +16,11 @@ dbt_ivm.errors.IvmConfigError: Invalid ivm_policy provided for model m: 0 (int).
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional, Union
 
 from dbt_ivm.errors import IvmConfigError
+from dbt_ivm.names import canonical
 
 POLICIES = ("auto", "incremental", "partition", "full")
 CHANGE_FEED = ("auto", "true", "false")
@@ -23,80 +29,127 @@ MERGE, APPEND = "merge", "append"
 LAYOUTS = ("auto", MERGE, APPEND)
 COST_RULE = ("auto", "off")
 DEFAULT_THRESHOLD = 0.5
+DEFAULT_PARTITION_THRESHOLD = 0.5
 
-# ivm_deletion_vectors / ivm_state_layout 'auto' switch at this state size (see refresh.py).
+# ivm_deletion_vectors / ivm_state_layout 'auto' switch at this state size
+# (refresh.chain.DV_AUTO_BYTES, APPEND_AUTO_BYTES restate it for their rules).
 AUTO_BYTES = 2 << 20
 
-# Set by the materialization from the dbt graph, not by users.
-INTERNAL = ("ivm_mv_dependents", "ivm_target_schema", "ivm_invocation_id")
+# The keys a model sets, each with the Config field it fills and what it accepts.
+KEYS = {
+    "ivm_policy": ("policy", ", ".join(POLICIES)),
+    "ivm_full_threshold": ("full_threshold", "a number in (0, 1]: the fraction of a source's rows that may change "
+                                             "before ivm_policy='auto' rebuilds instead of refreshing incrementally"),
+    "ivm_partition_threshold": ("partition_threshold", "a number in (0, 1]: the fraction of the model's partitions "
+                                                       "a change may touch before a partition refresh gives way to "
+                                                       "a full rebuild"),
+    "ivm_cost_rule": ("cost_rule", "auto (under ivm_policy 'auto', take the strategy the state's measured costs "
+                                   "estimate cheapest), off"),
+    "ivm_state_layout": ("state_layout", "auto (append for a big aggregate state without MIN/MAX that no "
+                                         "incremental_mv reads, else merge), merge, append"),
+    "ivm_change_feed": ("change_feed", "auto (on when an incremental_mv of this project reads this model), "
+                                       "true, false"),
+    "ivm_deletion_vectors": ("deletion_vectors", f"auto (on once the state table is {AUTO_BYTES >> 20} MiB), "
+                                                 "true, false"),
+    "ivm_history": ("history", "true (a row per refresh in <target schema>.ivm_refresh_history), false, or the "
+                               "name of the history table"),
+    "partition_by": ("partition_by", "a column name or a list of column names of the model"),
+}
 
-
-def _expected() -> dict:
-    return {
-        "ivm_policy": ", ".join(POLICIES),
-        "ivm_full_threshold": "a number in (0, 1]: the fraction of a source's rows that may change "
-                              "before ivm_policy='auto' rebuilds instead of refreshing incrementally",
-        "ivm_change_feed": "auto (on when an incremental_mv of this project reads this model), true, false",
-        "ivm_deletion_vectors": f"auto (on once the state table is {AUTO_BYTES >> 20} MiB), true, false",
-        "ivm_state_layout": "auto (append for a big aggregate state without MIN/MAX that no incremental_mv "
-                            "reads, else merge), merge, append",
-        "ivm_cost_rule": "auto (under ivm_policy 'auto', take the strategy the state's measured costs "
-                         "estimate cheapest), off",
-        "ivm_partition_threshold": "a number in (0, 1]: the fraction of the model's partitions a change may "
-                                   "touch before a partition refresh gives way to a full rebuild",
-        "ivm_history": "true (a row per refresh in <target schema>.ivm_refresh_history), false, or the "
-                       "name of the history table",
-        "partition_by": "a column name or a list of column names of the model",
-    }
-
+# Set by the materialization from the dbt graph and the target, not by users.
+INTERNAL = {"ivm_mv_dependents": "mv_dependents", "ivm_target_schema": "target_schema",
+            "ivm_invocation_id": "invocation_id"}
 
 _CHOICES = ("ivm_policy", "ivm_change_feed", "ivm_deletion_vectors", "ivm_state_layout", "ivm_cost_rule")
-KEYS = tuple(k for k in _expected() if k.startswith("ivm_"))
-DEFAULT_PARTITION_THRESHOLD = 0.5
+
+
+@dataclass(frozen=True)
+class Config:
+    """A model's checked configs (see KEYS for what each accepts)."""
+
+    policy: str = "auto"
+    full_threshold: float = DEFAULT_THRESHOLD
+    partition_threshold: float = DEFAULT_PARTITION_THRESHOLD
+    cost_rule: str = "auto"
+    state_layout: str = "auto"
+    change_feed: str = "auto"
+    deletion_vectors: str = "auto"
+    history: Union[bool, str] = True
+    partition_by: tuple = ()
+    mv_dependents: bool = False
+    target_schema: Optional[str] = None
+    invocation_id: Optional[str] = None
+
+    @classmethod
+    def of(cls, config: Union[dict, "Config", None], model: Optional[str] = None,
+           given: Iterable[str] = ()) -> "Config":
+        """Check a model's config values (a dict as dbt gives them; a Config
+        passes through) and raise IvmConfigError naming the model, the key, the
+        value and the accepted values. ``given``: every config key the model
+        sets, so a misspelt ``ivm_`` key is an error instead of a silently
+        ignored setting."""
+        if isinstance(config, Config):
+            return config
+        config = dict(config or {})
+        where = f" for model {model}" if model else ""
+        unknown = sorted(k for k in given if str(k).startswith("ivm_") and k not in KEYS and k not in INTERNAL)
+        if unknown:
+            raise IvmConfigError(f"Unknown config{where}: {', '.join(unknown)}. The incremental_mv configs are: "
+                                 f"{', '.join(k for k in KEYS if k.startswith('ivm_'))}.")
+
+        def bad(key: str):
+            value = config.get(key)
+            return IvmConfigError(
+                f"Invalid {key} provided{where}: {value!r} ({type(value).__name__}). "
+                f"Expected {'one of: ' if key in _CHOICES else ''}{KEYS[key][1]}.")
+
+        def choice(key: str, values: tuple, booleans: bool) -> str:
+            value = config.get(key)
+            if value is None:
+                return "auto"
+            if isinstance(value, bool) and booleans:
+                return "true" if value else "false"
+            if not isinstance(value, str) or value.strip().lower() not in values:
+                raise bad(key)
+            return value.strip().lower()
+
+        return cls(
+            policy=choice("ivm_policy", POLICIES, booleans=False),
+            full_threshold=_threshold(config.get("ivm_full_threshold"), bad),
+            partition_threshold=_threshold(config.get("ivm_partition_threshold"), bad,
+                                           "ivm_partition_threshold", DEFAULT_PARTITION_THRESHOLD),
+            cost_rule=_cost_rule(config.get("ivm_cost_rule"), bad),
+            state_layout=choice("ivm_state_layout", LAYOUTS, booleans=False),
+            change_feed=choice("ivm_change_feed", CHANGE_FEED, booleans=True),
+            deletion_vectors=choice("ivm_deletion_vectors", DELETION_VECTORS, booleans=True),
+            history=_history(config.get("ivm_history"), bad),
+            partition_by=tuple(_columns(config.get("partition_by"), bad)),
+            mv_dependents=bool(config.get("ivm_mv_dependents")),
+            target_schema=config.get("ivm_target_schema"),
+            invocation_id=config.get("ivm_invocation_id"),
+        )
+
+    def as_dict(self) -> dict:
+        """The checked values under their config keys (what the materialization passes back)."""
+        fields = asdict(self)
+        out = {key: fields[field] for key, (field, _) in KEYS.items()}
+        out.update({key: fields[field] for key, field in INTERNAL.items()})
+        out["partition_by"] = list(self.partition_by)
+        return out
+
+    @property
+    def weighs_costs(self) -> bool:
+        """The cost rule applies: ivm_policy 'auto' and ivm_cost_rule 'auto'."""
+        return self.policy == "auto" and self.cost_rule == "auto"
 
 
 def validate_config(config: dict, model: Optional[str] = None, given: Iterable[str] = ()) -> dict:
-    """Normalise and check a model's ``ivm_*`` configs; raise IvmConfigError
-    naming the model, the key, the value and the accepted values. ``given``:
-    every config key the model sets, so a misspelt ``ivm_`` key is an error
-    instead of a silently ignored setting."""
-    where = f" for model {model}" if model else ""
-    unknown = sorted(k for k in given if str(k).startswith("ivm_") and k not in KEYS + INTERNAL)
-    if unknown:
-        raise IvmConfigError(
-            f"Unknown config{where}: {', '.join(unknown)}. The incremental_mv configs are: {', '.join(KEYS)}.")
+    """Config.of as the dict of checked values under their keys.
 
-    def bad(key: str):
-        value = config.get(key)
-        return IvmConfigError(
-            f"Invalid {key} provided{where}: {value!r} ({type(value).__name__}). "
-            f"Expected {'one of: ' if key in _CHOICES else ''}{_expected()[key]}.")
-
-    def choice(key: str, values: tuple, booleans: bool) -> str:
-        value = config.get(key)
-        if value is None:
-            return "auto"
-        if isinstance(value, bool) and booleans:
-            return "true" if value else "false"
-        if not isinstance(value, str) or value.strip().lower() not in values:
-            raise bad(key)
-        return value.strip().lower()
-
-    return {
-        "ivm_policy": choice("ivm_policy", POLICIES, booleans=False),
-        "ivm_full_threshold": _threshold(config.get("ivm_full_threshold"), bad),
-        "ivm_change_feed": choice("ivm_change_feed", CHANGE_FEED, booleans=True),
-        "ivm_deletion_vectors": choice("ivm_deletion_vectors", DELETION_VECTORS, booleans=True),
-        "ivm_state_layout": choice("ivm_state_layout", LAYOUTS, booleans=False),
-        "ivm_cost_rule": _cost_rule(config.get("ivm_cost_rule"), bad),
-        "ivm_partition_threshold": _threshold(config.get("ivm_partition_threshold"), bad,
-                                              "ivm_partition_threshold", DEFAULT_PARTITION_THRESHOLD),
-        "ivm_history": _history(config.get("ivm_history"), bad),
-        "partition_by": _columns(config.get("partition_by"), bad),
-        "ivm_mv_dependents": bool(config.get("ivm_mv_dependents")),
-        "ivm_target_schema": config.get("ivm_target_schema"),
-        "ivm_invocation_id": config.get("ivm_invocation_id"),
-    }
+    >>> validate_config({"ivm_policy": "FULL", "ivm_change_feed": True})["ivm_policy"]
+    'full'
+    """
+    return Config.of(config, model, given).as_dict()
 
 
 def _history(value, bad):
@@ -107,8 +160,6 @@ def _history(value, bad):
         return False
     if not isinstance(value, str) or not value.strip():
         raise bad("ivm_history")
-    from dbt_ivm.names import canonical
-
     try:
         return canonical(value.strip())
     except ValueError:

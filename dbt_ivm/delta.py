@@ -23,8 +23,7 @@ Aggregation, DISTINCT and bag consolidation sit at the root: ``dbt_ivm.apply``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -49,6 +48,9 @@ class Window:
     # The change is small: broadcast delta relations into their joins, so the
     # snapshot side is scanned once and never shuffled.
     broadcast: bool = False
+    # Where delta() puts the shared pieces of its statements (see delta): the
+    # caller's, who caches each as a view of that name; None: a WITH clause.
+    pieces: Optional["Pieces"] = field(default=None, compare=False)
 
     def __post_init__(self):  # keyed by canonical names (dbt_ivm.names)
         object.__setattr__(self, "old", {canonical(k): v for k, v in self.old.items()})
@@ -96,55 +98,42 @@ def delta(node: Node, window: Window) -> Optional[exp.Query]:
     plans and computes each once); otherwise they are named once in a WITH
     clause at the top (the statement stays linear in the plan's size, but
     Spark inlines deterministic CTEs, so each reference is planned and run on
-    its own)."""
-    if _CTES.get() is not None:  # inside an outer delta(): its pieces collect ours
+    its own). A window that carries Pieces (``Window.pieces``, see
+    ``materialized``) collects them there, and the caller creates the views."""
+    if window.pieces is not None:  # the caller's pieces, or an outer delta()'s: they collect ours
         return _delta(node, window)
-    sink = _SINK.get()
-    ctes: list = sink.items if sink is not None else []
-    token = _CTES.set(ctes)
-    try:
-        out = _delta(node, window)
-    finally:
-        _CTES.reset(token)
-    if out is not None and ctes and sink is None:
+    pieces = Pieces("")
+    out = _delta(node, dataclasses.replace(window, pieces=pieces))
+    if out is not None and pieces.items:
         out = exp.select("*").from_(_aliased(out, f"{PREFIX}q")) if isinstance(out, exp.SetOperation) else out
-        for name, query in ctes:
+        for name, query in pieces.items:
             out = out.with_(exp.to_identifier(name, quoted=True), as_=query, copy=False)
     return out
 
 
 @dataclass
 class Pieces:
-    """The shared pieces of the delta statements built inside ``materialized``:
-    (view name, query) in dependency order; ``tag`` makes the names unique."""
+    """The shared pieces of the delta statements of one window: (name,
+    query) in dependency order; ``tag`` makes the names unique (a view
+    name, where the caller caches them)."""
 
     tag: str
     items: list = field(default_factory=list)
 
 
-@contextlib.contextmanager
-def materialized(tag: str):
-    """Within: delta() hands its shared pieces to the yielded Pieces instead of
-    a WITH clause; the statements refer to them by view name, so the caller
-    must create those views (CACHE TABLE name AS query) before running them."""
-    pieces = Pieces(tag)
-    token = _SINK.set(pieces)
-    try:
-        yield pieces
-    finally:
-        _SINK.reset(token)
+def materialized(window: Window, tag: str) -> Window:
+    """``window`` whose delta statements hand their shared pieces to its
+    ``pieces`` instead of a WITH clause; the statements refer to them by view
+    name, so the caller must create those views (CACHE TABLE name AS query)
+    before running them."""
+    return dataclasses.replace(window, pieces=Pieces(tag))
 
 
-_CTES: contextvars.ContextVar = contextvars.ContextVar("dbt_ivm_delta_ctes", default=None)
-_SINK: contextvars.ContextVar = contextvars.ContextVar("dbt_ivm_delta_sink", default=None)
-
-
-def _shared(query: exp.Query, kind: str) -> exp.Select:
-    """``query`` as a shared piece of the enclosing delta; a SELECT of it."""
-    ctes = _CTES.get()
-    sink = _SINK.get()
-    name = f"{PREFIX}{kind}{len(ctes)}" + (f"_{sink.tag}" if sink is not None else "")
-    ctes.append((name, query))
+def _shared(query: exp.Query, kind: str, window: Window) -> exp.Select:
+    """``query`` as a shared piece of the window's delta; a SELECT of it."""
+    pieces = window.pieces
+    name = f"{PREFIX}{kind}{len(pieces.items)}" + (f"_{pieces.tag}" if pieces.tag else "")
+    pieces.items.append((name, query))
     return exp.select("*").from_(exp.Table(this=exp.to_identifier(name, quoted=True)))
 
 
@@ -303,19 +292,19 @@ def _keyed_delta(node: Keyed, window: Window) -> Optional[exp.Query]:
     deltas = [_delta(child, window) for _, child in node.items]
     if all(d is None for d in deltas):
         return None
-    deltas = [None if d is None else _shared(d, "d") for d in deltas]
+    deltas = [None if d is None else _shared(d, "d", window) for d in deltas]
     scalar = not any(node.keys)  # an aggregate without GROUP BY: one key, every row
     parts = []
     for (alias, _), d, keys in zip(node.items, deltas, node.keys):
         if d is not None and not scalar:
             parts.append(_touched(node, alias, d, keys, window))
     affected = None if scalar else _shared(
-        exp.select("*").from_(_aliased(_union(parts), f"{PREFIX}kd")).distinct(), "k")
+        exp.select("*").from_(_aliased(_union(parts), f"{PREFIX}kd")).distinct(), "k", window)
     new_rels, old_rels = [], []
     for (alias, child), d, keys in zip(node.items, deltas, node.keys):
         snap = snapshot(child, window, NEW)
         cols = _columns_of(snap)
-        new = _shared(_restricted(snap, alias, keys, affected, window), "r")
+        new = _shared(_restricted(snap, alias, keys, affected, window), "r", window)
         new_rels.append(new if unit(child) else _units(new, cols))
         if d is None:  # unchanged: its old rows are its new rows
             old_rels.append(new_rels[-1].copy())

@@ -192,7 +192,7 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
         if any("*" in c for c in [sql]) and any(s.columns and inferred.get(n) == list(s.columns)
                                                 for n, s in facts.items()):
             verdict["assumptions"] = ["columns were inferred from the query: `*` may hide more"]
-        part = _partition_verdict(model, catalog, partition_by)
+        part = _partition_verdict(model, catalog, partition_by, list(facts.values()), offline=True)
         if part is not None and part[0]:
             verdict.update(strategy=PARTITION, partition_column=part[1])
             out["assumptions"].append(
@@ -210,32 +210,22 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
             "delta_plan": describe_plan(plan.input), "column_types": list(types.items())}
 
 
-def _partition_verdict(model: Model, catalog: Catalog, partition_by: list,
-                       partitions: Optional[dict] = None, only: Optional[str] = None) -> Optional[tuple]:
-    """(traceable, column, text) of the model's partition columns, None without
-    partition_by. ``partitions``: each source's partition columns where known
-    (live); offline any traced column is taken for one."""
+def _partition_verdict(model: Model, catalog: Catalog, partition_by: list, changed: list[Source],
+                       offline: bool) -> Optional[tuple]:
+    """(traceable, column, text) of the model's partition columns for a
+    change of the ``changed`` sources (partition.trace, as a refresh traces
+    them), None without partition_by. ``offline``: the sources' partition
+    columns are unknown, any traced column is taken for one."""
     if not partition_by:
         return None
-    from dbt_ivm.partitions import lineage
+    from dbt_ivm.errors import Reason
+    from dbt_ivm.refresh.partition import trace
 
-    why = []
-    for col in partition_by:
-        try:
-            ties = lineage(model, catalog, col)
-        except IvmError as e:
-            why.append(str(e))
-            continue
-        if only is not None:  # a change of that source alone: the others do not matter
-            ties.mapped = {s: c for s, c in ties.mapped.items() if s == only}
-            ties.unmapped = {s: w for s, w in ties.unmapped.items() if s == only}
-        off = [f"{display(s)}: {', '.join(c)} is not a partition column of it"
-               for s, c in ties.mapped.items() if partitions is not None and not set(c) <= set(partitions.get(s, ()))]
-        if not ties.unmapped and not off:
-            return True, col, ", ".join(f"{display(s)} by {'/'.join(c)}" for s, c in ties.mapped.items())
-        ties.unmapped.update({s: w for s, w in (o.split(": ", 1) for o in off)})
-        why.append(f"{col!r}: " + "; ".join(f"{display(s)}: {w}" for s, w in ties.unmapped.items()))
-    return False, None, "PARTITION_NOT_TRACEABLE: " + " | ".join(why)
+    traced = trace(model, catalog, partition_by, changed, offline=offline, tolerant=True)
+    if isinstance(traced, Reason):
+        return False, None, f"{traced.code}: {traced.detail}"
+    column, mapped = traced
+    return True, column, ", ".join(f"{display(s)} by {'/'.join(c)}" for s, c in mapped.items())
 
 
 def explain_live(ex, sql: str, config: dict) -> dict:
@@ -270,7 +260,7 @@ def explain_live(ex, sql: str, config: dict) -> dict:
             by_source[display(s.name)] = {"strategy": INCREMENTAL, "reason": None}
             continue
         step = {"strategy": FULL, "reason": inc.code, "detail": inc.detail, "hint": inc.hint}
-        part = _partition_verdict(model, catalog, partition_by, {s.name: s.partitions}, only=s.name)
+        part = _partition_verdict(model, catalog, partition_by, [s], offline=False)
         if part is not None and part[0]:
             step.update(strategy=PARTITION, partition_column=part[1])
         elif part is not None:

@@ -29,7 +29,7 @@ from sqlglot import exp
 from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.model import Model
 from dbt_ivm.names import DIALECT, PREFIX
-from dbt_ivm.parse import qualified, referenced_tables as _referenced_tables
+from dbt_ivm.parse import qualified
 from dbt_ivm.planner import Node, has_aggregate, in_window, node_of
 from dbt_ivm.subqueries import decorrelate
 from dbt_ivm.support import known_sources, output_columns, require_query, root_decomposable, structure, supported
@@ -39,9 +39,6 @@ from dbt_ivm.versions import Target
 COMPILER_VERSION = "4"  # 4: AVG of a decimal divides Spark's sum type (Watermark.sums)
 
 BAG, DISTINCT, AGGREGATE = "bag", "distinct", "aggregate"
-
-# Still imported from here by dbt_ivm.refresh (its home is dbt_ivm.parse).
-referenced_tables = _referenced_tables
 
 
 # --------------------------------------------------------------------------- the plan

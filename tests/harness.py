@@ -26,6 +26,9 @@ from typing import Any, Optional
 
 import yaml
 
+from dbt_ivm.executor import Executor
+
+
 def _workspace() -> Path:
     """Warehouse + Derby metastore of this test process: DBT_IVM_TEST_WORKSPACE, or a
     fresh temporary folder removed at exit (Derby admits one process per metastore)."""
@@ -158,7 +161,7 @@ def sql(statement: str) -> list:
     return spark().sql(statement).collect()
 
 
-class SessionExecutor:
+class SessionExecutor(Executor):
     """dbt_ivm's Executor over a Spark session (default: the shared one)."""
 
     def __init__(self, session=None):

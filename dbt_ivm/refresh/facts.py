@@ -15,7 +15,8 @@ from dbt_ivm.catalog import DELTA, LAYERED, MV, OTHER, Source
 from dbt_ivm.config import APPEND
 from dbt_ivm.names import canonical, ident, namespace, parts, string
 from dbt_ivm.plan import BAG
-from dbt_ivm.refresh.log import Executor, commit_stamps, history_head
+from dbt_ivm.executor import Executor
+from dbt_ivm.refresh.log import commit_stamps, history_head
 from dbt_ivm.refresh.watermark import Watermark
 from dbt_ivm.sqltree import call, render, select
 from dbt_ivm.versions import Target
@@ -35,7 +36,7 @@ _PROPS_RE = re.compile(r"([^=,\[\]\s][^=,\[\]]*)=([^,\]]*)")
 
 
 # Commits read with a source's version: enough for the change estimate of most
-# windows without a second read (see Refresher._change_sizes).
+# windows without a second read (see measure.Measures.change_sizes).
 HISTORY_DEPTH = 20
 
 
@@ -103,10 +104,7 @@ def file_listing(ex: Executor, name: str, location: str, partitions: list[str]) 
     An executor may list them directly (``list_files(location)``: the embedded
     session, a file-system listing); otherwise the files' metadata columns are
     read (every file opened once). None when neither works."""
-    files = None
-    direct = getattr(ex, "list_files", None)
-    if direct is not None:
-        files = direct(location)
+    files = ex.list_files(location)
     if files is None:
         try:
             files = ex.query(
@@ -171,10 +169,7 @@ def delta_partition_changes(ex: Executor, table: str, partitions: tuple, lo: int
     ``dataChange=false`` (OPTIMIZE, compaction) change no rows and count for
     nothing. None when the commits cannot say: a commit file gone (log
     cleanup), a change of the partition columns, a remove without its values."""
-    texts = None
-    direct = getattr(ex, "delta_commits", None)
-    if direct is not None:
-        texts = direct(canonical(table), lo + 1, hi)
+    texts = ex.delta_commits(canonical(table), lo + 1, hi)
     if texts is None:
         try:
             location = dict(zip(_DETAIL, ex.query(f"DESCRIBE DETAIL {canonical(table)}")[0]))["location"]
@@ -257,12 +252,11 @@ def has_mv_readers(nodes: dict, unique_id: str) -> bool:
     return False
 
 
-def spark_target(ex) -> Target:
+def spark_target(ex: Executor) -> Target:
     """The Spark the refresh's statements run on: the executor's
     ``spark_version()`` where it offers one (the adapter caches it per
     process), else ``SELECT version()``."""
-    known = getattr(ex, "spark_version", None)
-    version = known() if known is not None else None
+    version = ex.spark_version()
     if not version:
         rows = ex.query(render(select(call("version"))))
         version = str(rows[0][0]) if rows else ""

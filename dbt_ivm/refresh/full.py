@@ -4,30 +4,21 @@ watermark; the model's view re-created only when its statement changed."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from typing import TYPE_CHECKING, Optional
-
 from sqlglot import exp
 
-from dbt_ivm import apply
+from dbt_ivm import aggregate_state, apply
 from dbt_ivm.delta import Window
 from dbt_ivm.errors import IvmConfigError
 from dbt_ivm.names import canonical
-from dbt_ivm.sqltree import create_table, describe_query, drop_table, insert, render, set_properties
 from dbt_ivm.plan import AGGREGATE, BAG
-from dbt_ivm.refresh.watermark import Watermark
-
-if TYPE_CHECKING:
-    from dbt_ivm.refresh.refresher import Refresher
+from dbt_ivm.refresh import commit
+from dbt_ivm.refresh.context import Context, Outcome, Written
+from dbt_ivm.executor import Executor
+from dbt_ivm.sqltree import create_table, describe_query, drop_table, insert, render, set_properties
 
 
 # Characters Delta allows in a column name only under column mapping.
 _DELTA_RESERVED_CHARS = frozenset(" ,;{}()\n\t=")
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _check_row_types(types: dict) -> None:
@@ -50,60 +41,64 @@ def _check_row_types(types: dict) -> None:
             f"to_json({maps[0]}) or map_entries({maps[0]}).")
 
 
-def run(r: "Refresher", plan, sources, sig, decision, state_exists, old: Optional[Watermark]) -> None:
-    pinned = apply.pinned_query(r.sql, sources, {s.physical: s.version for s in sources})
+def run(ctx: Context) -> Outcome:
+    """Rewrite the state whole (creating it, or re-creating it where its
+    schema changed), then the view where its statement changed."""
+    plan, old, state_exists = ctx.plan, ctx.watermark, ctx.facts.state_exists
+    sig, decision, sources = ctx.facts.sig, ctx.decision, ctx.sources
+    pinned = apply.pinned_query(ctx.facts.model, sources, ctx.versions())
     # Same signature (model SQL, source schemas, compiler), same layout (it
     # decides the form of the state's rows) and no commit on the state since
     # the watermark's: the query's types and the state's schema are the ones
     # recorded, and the three DESCRIBE statements are skipped.
     known = (state_exists and old is not None and old.signature == sig and bool(old.columns)
-             and old.layout == r.layout
+             and old.layout == ctx.settings.layout
              and old.state_version is not None and old.state_version == old.commit_version)
-    window = Window(new={s.physical: s.version for s in sources})
+    window = Window(new=ctx.versions())
     if known:
         types, sums = dict(old.columns), dict(old.sums)
     else:
-        types = {row[0].lower(): row[1] for row in r.ex.query(describe_query(pinned))}
-        args = apply.avg_args_query(plan, window)
-        sums = apply.avg_sum_types(plan, {row[0]: row[1] for row in r.ex.query(describe_query(args))}) if args else {}
+        types = {row[0].lower(): row[1] for row in ctx.ex.query(describe_query(pinned))}
+        args = aggregate_state.avg_args_query(plan, window)
+        sums = aggregate_state.avg_sum_types(plan, {row[0]: row[1] for row in ctx.ex.query(describe_query(args))}) if args else {}
     body, kind, columns = state_body(plan, sources, types, sums, pinned)
-    r.units = kind == BAG
     if kind != AGGREGATE:
         _check_row_types(types)
-    view = r.view_statement(plan, kind, columns, {**types, **sums})
+    view = commit.view_statement(ctx, plan, kind, columns, {**types, **sums})
     # The view is re-created only when its statement changed (or it is gone):
     # a CREATE OR REPLACE VIEW costs 0.1–0.9 s, a rebuild's whole budget at
     # small sizes (BENCHMARKS.md).
-    key = _digest(view + json.dumps({**types, **sums}, sort_keys=True))
-    keep_view = r.view_present and r.view_key == key
-    r.view_key = key
-    wm = r.watermark_for(plan, sources, sig, decision, types, sums)
+    key = commit.view_key(view, {**types, **sums})
+    keep_view = ctx.facts.view_exists and (old.view if old else "") == key
     if known:
         same, new_schema = True, []
     else:
-        new_schema = [(row[0].lower(), row[1]) for row in r.ex.query(describe_query(body))]
-        same = state_exists and state_schema(r) == (new_schema, r.partition_by)
+        new_schema = [(row[0].lower(), row[1]) for row in ctx.ex.query(describe_query(body))]
+        same = state_exists and state_schema(ctx.ex, ctx.state) == (new_schema, list(ctx.partition_by))
     if state_exists and not same:
-        r.ex.query(render(drop_table(r.state)))
+        ctx.ex.query(render(drop_table(ctx.state)))
     if same:
-        r.set_properties(old)
+        commit.set_properties(ctx, old)
+    # (a rebuild's cost includes any property change: it is not marked settled)
+    wm = commit.watermark(ctx, decision, sig, types, sums, Written(units=kind == BAG, view_key=key))
     # Column names Delta stores only under column mapping, and Delta refuses
     # a CREATE ... AS SELECT with column mapping while a change feed is on:
     # such a state is created (with the watermark) without the feed, and the
     # feed is switched on after, where wanted (a metadata-only commit).
     mapped = not same and any(set(n) & _DELTA_RESERVED_CHARS for n, _ in new_schema)
-    props = r.state_properties()
+    props = commit.state_properties(ctx)
     if mapped:
         props = {**props, "delta.columnMapping.mode": "name", "delta.enableChangeDataFeed": "false"}
-    with r.commit(wm, old.commit_version if same and old else None):
+    with commit.committing(ctx, wm, old.commit_version if same and old else None):
         if same:
-            r.ex.query(render(insert(r.state, body, overwrite=True)))
+            ctx.ex.query(render(insert(ctx.state, body, overwrite=True)))
         else:
-            r.ex.query(render(create_table(r.state, body, props, r.partition_by)))
-    if mapped and r.change_feed:
-        r.ex.query(render(set_properties(r.state, {"delta.enableChangeDataFeed": "true"})))
+            ctx.ex.query(render(create_table(ctx.state, body, props, list(ctx.partition_by))))
+    if mapped and ctx.settings.change_feed:
+        ctx.ex.query(render(set_properties(ctx.state, {"delta.enableChangeDataFeed": "true"})))
     if not (keep_view and same):  # a re-created state table gets a new view too
-        r.ex.query(view)
+        ctx.ex.query(view)
+    return Outcome()
 
 
 def state_body(plan, sources, types: dict, sums: dict, pinned: exp.Query) -> tuple[exp.Query, str, list]:
@@ -116,12 +111,12 @@ def state_body(plan, sources, types: dict, sums: dict, pinned: exp.Query) -> tup
     return apply.bag_state_of_query(pinned, list(types)), BAG, list(types)
 
 
-def state_schema(r: "Refresher") -> tuple[list[tuple[str, str]], list[str]]:
+def state_schema(ex: Executor, state: str) -> tuple[list[tuple[str, str]], list[str]]:
     """The state table's (columns with types, partition columns)."""
     out: list = []
     partitions: list = []
     section = "columns"
-    for row in r.ex.query(f"DESCRIBE TABLE {canonical(r.state)}"):
+    for row in ex.query(f"DESCRIBE TABLE {canonical(state)}"):
         name = (row[0] or "").strip()
         if name == "# Partition Information":
             section = "partitions"

@@ -16,16 +16,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from sqlglot import exp
 
+from dbt_ivm.config import Config
 from dbt_ivm.names import DIALECT, canonical, table as names_table
-from dbt_ivm.refresh.decide import Result
-
-if TYPE_CHECKING:
-    from dbt_ivm.refresh.log import Executor
-    from dbt_ivm.refresh.refresher import Refresher
+from dbt_ivm.executor import Executor
+from dbt_ivm.refresh.values import Result
 
 DEFAULT_NAME = "ivm_refresh_history"
 
@@ -53,13 +51,13 @@ COLUMNS = (
 )
 
 
-def table_name(config: dict) -> Optional[str]:
+def table_name(config: Config) -> Optional[str]:
     """The history table of a model's config, or None when switched off."""
-    setting = config.get("ivm_history", True)
+    setting = config.history
     if setting is False:
         return None
     if setting is True:
-        schema = config.get("ivm_target_schema")
+        schema = config.target_schema
         return canonical([schema, DEFAULT_NAME]) if schema else None
     return canonical(setting)
 
@@ -78,13 +76,14 @@ def _micros(seconds: float) -> exp.Expression:
     return exp.func("timestamp_micros", exp.Literal.number(int(seconds * 1_000_000)))
 
 
-def row(r: "Refresher", result: Result, sources: list, old_versions: dict) -> list[exp.Expression]:
+def row(relation: str, invocation_id: Optional[str], run_id: str, started: Optional[float], result: Result,
+        sources, old_versions: dict) -> list[exp.Expression]:
     """The history row of a finished refresh, as SQL values in COLUMNS order."""
     rows = result.rows
     versions = {s.name: [old_versions.get(s.physical), s.version] for s in sources}
-    ended = (r.started or time.time()) + result.seconds
+    ended = (started or time.time()) + result.seconds
     values = [
-        r.relation, r.config.get("ivm_invocation_id"), r.run_id, None, None, result.strategy,
+        relation, invocation_id, run_id, None, None, result.strategy,
         result.reason.code if result.reason else None, result.reason.detail if result.reason else None,
         json.dumps([{"strategy": s, "reason": why.code, "detail": why.detail} for s, why in result.skipped]),
         json.dumps(versions), json.dumps(result.sizes),
@@ -93,7 +92,7 @@ def row(r: "Refresher", result: Result, sources: list, old_versions: dict) -> li
         round(result.seconds, 3), json.dumps(result.phases), json.dumps(result.estimates),
     ]
     out = [_value(v) for v in values]
-    out[3], out[4] = _micros(r.started or ended), _micros(ended)
+    out[3], out[4] = _micros(started or ended), _micros(ended)
     return out
 
 
@@ -103,52 +102,58 @@ def row(r: "Refresher", result: Result, sources: list, old_versions: dict) -> li
 _READY: set = set()
 _LOCK = threading.Lock()
 
-# Rows of refreshes whose executor defers them (``defers_history``): history
-# table -> [row values], written by ``flush`` in one INSERT per table. A Delta
-# commit of one row costs a refresh 0.4–2 s on a 2-core machine (measured);
-# the adapter flushes once per dbt invocation, when dbt cleans up its
-# connections.
-_PENDING: dict = {}
+class Pending:
+    """Rows of refreshes kept for one write per history table (``flush``):
+    a Delta commit of one row costs a refresh 0.4–2 s on a 2-core machine
+    (measured). An executor carries one (``Executor.history``); the adapter
+    keeps one per adapter and flushes it when dbt cleans up its connections.
+    Safe across dbt's threads."""
+
+    def __init__(self):
+        self._rows: dict = {}  # history table -> [row values]
+        self._lock = threading.Lock()
+
+    def add(self, table: str, values: exp.Tuple) -> None:
+        with self._lock:
+            self._rows.setdefault(table, []).append(values)
+
+    def __bool__(self) -> bool:
+        return any(self._rows.values())
+
+    def flush(self, ex: Executor) -> list[str]:
+        """Write the kept rows, one INSERT per history table; returns what
+        failed (rows are dropped either way: history is best effort)."""
+        with self._lock:
+            pending, self._rows = self._rows, {}
+        failed = []
+        for table, rows in pending.items():
+            try:
+                write(ex, table, rows)
+            except Exception as e:  # noqa: BLE001 - best effort
+                failed.append(f"{len(rows)} row(s) of refresh history not written to {table}: {str(e)[:200]}")
+        return failed
 
 
-def record(r: "Refresher", result: Result, sources: list, old_versions: dict) -> None:
+def record(ex: Executor, config: Config, relation: str, run_id: str, started: float, result: Result,
+           sources, old_versions: dict) -> None:
     """The refresh's row for its history table: appended now, or kept for
-    ``flush`` when the executor defers history (the adapter's does). Any
+    ``Pending.flush`` where the executor keeps them (the adapter's does). Any
     failure is a note on the result, never the refresh's failure."""
-    table = table_name(r.config)
+    table = table_name(config)
     if table is None:
         return
     try:
-        values = exp.Tuple(expressions=row(r, result, sources, old_versions))
-        if getattr(r.ex, "defers_history", False):
-            with _LOCK:
-                _PENDING.setdefault(table, []).append(values)
+        values = exp.Tuple(expressions=row(relation, config.invocation_id, run_id, started, result, sources,
+                                           old_versions))
+        if ex.history is not None:
+            ex.history.add(table, values)
             return
-        write(r.ex, table, [values])
+        write(ex, table, [values])
     except Exception as e:  # noqa: BLE001 - history is best effort (see the module)
         result.notes.append(f"refresh history not written to {table}: {str(e)[:200]}")
 
 
-def pending() -> bool:
-    return any(_PENDING.values())
-
-
-def flush(ex: "Executor") -> list[str]:
-    """Write the deferred rows, one INSERT per history table; returns what
-    failed (rows are dropped either way: history is best effort)."""
-    with _LOCK:
-        pending = dict(_PENDING)
-        _PENDING.clear()
-    failed = []
-    for table, rows in pending.items():
-        try:
-            write(ex, table, rows)
-        except Exception as e:  # noqa: BLE001 - best effort
-            failed.append(f"{len(rows)} row(s) of refresh history not written to {table}: {str(e)[:200]}")
-    return failed
-
-
-def write(ex: "Executor", table: str, rows: list) -> None:
+def write(ex: Executor, table: str, rows: list) -> None:
     """Append rows (SQL tuples in COLUMNS order) to a history table, creating
     it (or adding columns a newer dbt-ivm has) on this process's first write."""
     target = names_table(table)
@@ -166,7 +171,7 @@ def write(ex: "Executor", table: str, rows: list) -> None:
         _READY.add(table)
 
 
-def _append(ex: "Executor", target: exp.Table, insert: str) -> None:
+def _append(ex: Executor, target: exp.Table, insert: str) -> None:
     """The first append of this process: CREATE TABLE IF NOT EXISTS first (a
     failed INSERT into a missing table would do, but Spark logs it as an error
     with its whole stack), the columns a newer dbt-ivm added to a table an

@@ -7,19 +7,10 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import NamedTuple, Optional, Protocol
+from typing import NamedTuple, Optional
 
 from dbt_ivm.names import canonical
-
-
-class Executor(Protocol):
-    """Runs SQL. May also offer ``session_conf(confs, reset=False) -> bool`` to set
-    session confs without SQL (see Refresher._commit), and
-    ``delta_history(table, limit) -> Optional[list[tuple]]`` to read a Delta
-    table's newest commits without a statement (see describe_history; None:
-    use the statement)."""
-
-    def query(self, sql: str) -> list[tuple]: ...
+from dbt_ivm.executor import Executor
 
 
 # Delta operations that commit no row changes (their change feed is empty).
@@ -67,6 +58,16 @@ def _as_map(value) -> dict:
     return {}
 
 
+def op_metrics(row: tuple) -> dict:
+    """A DESCRIBE HISTORY row's operationMetrics (column 12), as a dict."""
+    return _as_map(row[12] if len(row) > 12 else None)
+
+
+def user_metadata(row: tuple) -> Optional[str]:
+    """A DESCRIBE HISTORY row's userMetadata (column 13): where a watermark rides."""
+    return row[13] if len(row) > 13 else None
+
+
 def estimate_changes(history: list[tuple], old: int, new: int) -> Optional[int]:
     """Changed rows of versions (old, new] from their commits' operationMetrics
     (DESCRIBE HISTORY rows, newest first), as table_changes would count them
@@ -99,7 +100,7 @@ def window_estimate(history: list[tuple], old: int, new: int) -> tuple[Optional[
     changed, net = 0, 0
     for row in window:
         op = str(row[4] or "").upper()
-        params, metrics = _as_map(row[5]), _as_map(row[12] if len(row) > 12 else None)
+        params, metrics = _as_map(row[5]), op_metrics(row)
 
         def metric(*names: str) -> Optional[int]:
             try:
@@ -139,8 +140,7 @@ def describe_history(ex: Executor, table: str, limit: Optional[int] = None) -> l
     log directly (``delta_history``: the embedded session, where the statement's
     planning and catalog round trips cost ~0.25 s a table, the log read ~20 ms);
     otherwise the statement."""
-    direct = getattr(ex, "delta_history", None)
-    rows = direct(canonical(table), limit) if direct is not None else None
+    rows = ex.delta_history(canonical(table), limit)
     if rows is None:
         rows = ex.query(f"DESCRIBE HISTORY {canonical(table)}" + (f" LIMIT {int(limit)}" if limit else ""))
     return rows
@@ -189,7 +189,7 @@ def dv_merges(history: list[tuple]) -> int:
         if op in _REWRITES or (op == "WRITE" and str(params.get("mode", "")).strip('"') == "Overwrite"):
             break
         if op == "MERGE":
-            metrics = _as_map(row[12] if len(row) > 12 else None)
+            metrics = op_metrics(row)
             try:
                 added = int(metrics.get("numTargetDeletionVectorsAdded") or 0)
                 added += int(metrics.get("numTargetDeletionVectorsUpdated") or 0)
@@ -259,8 +259,8 @@ def append_layers(history: list[tuple]) -> Layers:
         op = str(row[4] or "").upper()
         params = _as_map(row[5])
         mode = str(params.get("mode", "")).strip('"')
-        metrics = _as_map(row[12] if len(row) > 12 else None)
-        mark = maintenance_mark(row[13] if len(row) > 13 else None)
+        metrics = op_metrics(row)
+        mark = maintenance_mark(user_metadata(row))
         if op == "WRITE" and mode == "Append":
             appends += 1
             rows += int(str(metrics.get("numOutputRows") or 0).strip('"'))
@@ -294,7 +294,7 @@ def written_bytes(history: list[tuple]) -> int:
     """
     most = 0
     for row in history:
-        metrics = _as_map(row[12] if len(row) > 12 else None)
+        metrics = op_metrics(row)
         for key in _BYTES_WRITTEN:
             try:
                 most = max(most, int(str(metrics.get(key) or 0).strip('"')))

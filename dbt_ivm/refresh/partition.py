@@ -21,26 +21,28 @@ partitions changed, and replace exactly those in one commit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 from sqlglot import exp
 
 from dbt_ivm import apply
 from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
-from dbt_ivm.errors import Reason
-from dbt_ivm.names import canonical
+from dbt_ivm.errors import IvmError, Reason
+from dbt_ivm.names import canonical, display
 from dbt_ivm.partitions import lineage, partitions_predicate
 from dbt_ivm.plan import BAG, PREFIX
-from dbt_ivm.refresh.decide import NOOP, NOT_PARTITIONED, PARTITION, Decision, Result, rewound
+from dbt_ivm.refresh import commit
+from dbt_ivm.refresh.context import Context, Outcome, Written
+from dbt_ivm.refresh.decide import NOT_PARTITIONED, rewound
 from dbt_ivm.refresh.facts import delta_partition_changes, listing_changes
+from dbt_ivm.refresh.failpoint import failpoint
 from dbt_ivm.refresh.full import state_body
-from dbt_ivm.refresh.log import _as_map
-from dbt_ivm.refresh.watermark import Watermark, _failpoint
+from dbt_ivm.executor import Executor
+from dbt_ivm.refresh.log import op_metrics
+from dbt_ivm.refresh.values import PARTITION, Decision
+from dbt_ivm.refresh.watermark import Watermark
 from dbt_ivm.sqltree import aliased, insert, render, select, table
 from dbt_ivm.sqltree import col as column_of
-
-if TYPE_CHECKING:
-    from dbt_ivm.refresh.refresher import Refresher
 
 
 @dataclass(frozen=True)
@@ -56,23 +58,44 @@ class Change:
         return partitions_predicate((self.column,), [(v,) for v in self.values], {self.column: spark_type})
 
 
-def prepare(r: "Refresher", sources: list[Source], watermark: Watermark,
+def prepare(ex: Executor, model, partition_by: tuple, sources: list[Source], watermark: Watermark,
             changed: list[Source]) -> Union[Change, Reason]:
-    """What the partition strategy would replace for this change, or why it cannot apply."""
-    if not r.partition_by:
+    """What the partition strategy would replace for this change (of the
+    ``changed`` sources since ``watermark``) of the model (dbt_ivm.model.Model)
+    partitioned by ``partition_by``, or why it cannot apply."""
+    if not partition_by:
         return NOT_PARTITIONED
-    catalog = Catalog({s.name: s for s in sources})
+    traced = trace(model, Catalog({s.name: s for s in sources}), partition_by, changed)
+    if isinstance(traced, Reason):
+        return traced
+    column, mapped = traced
+    return _changed_values(ex, column, mapped, changed, watermark)
+
+
+def trace(model, catalog: Catalog, partition_by, changed: list[Source], offline: bool = False,
+          tolerant: bool = False) -> Union[tuple[str, dict], Reason]:
+    """The first of the model's partition columns whose lineage ties it to
+    partition columns of every ``changed`` source: (column, {source: its
+    columns tied}); else why none is (PARTITION_NOT_TRACEABLE). ``offline``
+    (dbt-ivm explain without a catalog): the sources' partition columns are
+    unknown, any column tied counts. ``tolerant`` (explain): a partition
+    column the lineage cannot follow is a reason, not an error."""
     why = []
-    for column in r.partition_by:
-        ties = lineage(r.sql, catalog, column)
-        blocked = next((f"{s.name}: {ties.why_not(s.name)}" for s in changed if ties.why_not(s.name)), None)
-        if blocked is None:
-            blocked = next((f"{s.name}: its column(s) {', '.join(ties.mapped[s.name])} tied to {column!r} are "
-                            f"not all partition columns of it (it is partitioned by "
-                            f"{', '.join(s.partitions) or 'nothing'})"
+    for column in partition_by:
+        try:
+            ties = lineage(model, catalog, column)
+        except IvmError as e:
+            if not tolerant:
+                raise
+            why.append(f"{column!r} ({e})")
+            continue
+        blocked = next((f"{display(s.name)}: {ties.why_not(s.name)}" for s in changed if ties.why_not(s.name)), None)
+        if blocked is None and not offline:
+            blocked = next((f"{display(s.name)}: {', '.join(ties.mapped[s.name])} tied to {column!r} is not a "
+                            f"partition column of it (it is partitioned by {', '.join(s.partitions) or 'nothing'})"
                             for s in changed if not set(ties.mapped[s.name]) <= set(s.partitions)), None)
         if blocked is None:
-            return _changed_values(r, column, ties.mapped, changed, watermark)
+            return column, {s.name: ties.mapped[s.name] for s in changed}
         why.append(f"{column!r} ({blocked})")
     return Reason("PARTITION_NOT_TRACEABLE",
                   "the changed sources' rows are not tied to a partition column of the model: " + "; ".join(why),
@@ -80,7 +103,7 @@ def prepare(r: "Refresher", sources: list[Source], watermark: Watermark,
                   "partition column (a GROUP BY key, a window's PARTITION BY key, an equi-join key)")
 
 
-def _changed_values(r: "Refresher", column: str, mapped: dict, changed: list[Source],
+def _changed_values(ex: Executor, column: str, mapped: dict, changed: list[Source],
                     watermark: Watermark) -> Union[Change, Reason]:
     old, listings = watermark.versions(), watermark.listings()
     values: set = set()
@@ -89,7 +112,7 @@ def _changed_values(r: "Refresher", column: str, mapped: dict, changed: list[Sou
             if rewound(s, watermark):
                 return Reason("SOURCE_VERSION_REWOUND",
                               f"source {s.name} was recreated or restored since the last refresh")
-            parts = delta_partition_changes(r.ex, s.physical, s.partitions, int(old[s.physical]), int(s.version))
+            parts = delta_partition_changes(ex, s.physical, s.partitions, int(old[s.physical]), int(s.version))
             where = "its Delta log no longer holds the commits of the window"
         elif s.kind == OTHER:
             parts = listing_changes(listings.get(s.physical), s.listing)
@@ -104,50 +127,45 @@ def _changed_values(r: "Refresher", column: str, mapped: dict, changed: list[Sou
     return Change(column, tuple(sorted(values, key=lambda v: (v is not None, v or ""))))
 
 
-def run(r: "Refresher", plan, sources: list[Source], watermark: Watermark, change: Change,
-        result: Result) -> None:
+def run(ctx: Context) -> Outcome:
     """Replace the changed partitions of the state (see the module)."""
-    result.rows["partitions_replaced"] = r.replaced = len(change.values)
+    change, watermark, sources = ctx.facts.partition, ctx.watermark, ctx.sources
+    out = Outcome(rows={"partitions_replaced": len(change.values)})
     if not change.values:
-        result.strategy, result.reason = NOOP, Reason(
-            "NO_ROW_CHANGES", "sources have new versions but no partition's data changed")
-        return
+        return out.noop("NO_ROW_CHANGES", "sources have new versions but no partition's data changed")
     types, sums = dict(watermark.columns), dict(watermark.sums)
-    pinned = apply.pinned_query(r.sql, sources, {s.physical: s.version for s in sources})
+    pinned = apply.pinned_query(ctx.facts.model, sources, ctx.versions())
     where = change.predicate(types[change.column])
-    body, kind, _ = state_body(plan, sources, types, sums, pinned)
-    r.units = kind == BAG
+    body, kind, _ = state_body(ctx.plan, sources, types, sums, pinned)
     rows = select(exp.Star()).from_(aliased(body, f"{PREFIX}p")).where(where.copy())
-    statement = render(insert(r.state, rows, replace_where=where))
-    r.set_properties(watermark)
-    wm = r.watermark_for(plan, sources, watermark.signature, Decision(PARTITION, result.reason), watermark.columns,
-                         watermark.sums)
-    with r.commit(wm, watermark.commit_version):
-        _failpoint("before_commit", r.relation)
-        r.ex.query(statement)
-        _failpoint("after_commit", r.relation)
-    mine = r.my_commit()
+    statement = render(insert(ctx.state, rows, replace_where=where))
+    settled = commit.set_properties(ctx, watermark)
+    wm = commit.watermark(ctx, Decision(PARTITION, ctx.decision.reason), watermark.signature, watermark.columns,
+                          watermark.sums, Written(units=kind == BAG, settled=settled, replaced=len(change.values)))
+    with commit.committing(ctx, wm, watermark.commit_version):
+        failpoint("before_commit", ctx.relation)
+        ctx.ex.query(statement)
+        failpoint("after_commit", ctx.relation)
+    mine = commit.my_commit(ctx)
     if mine is None:
-        result.strategy, result.reason = NOOP, Reason(
-            "ALREADY_APPLIED", "a concurrent refresh already applied this change")
-        return
-    m = _as_map(mine[12] if len(mine) > 12 else None)
+        return out.noop("ALREADY_APPLIED", "a concurrent refresh already applied this change")
+    m = op_metrics(mine)
     for key, name in (("numOutputRows", "inserted"), ("numDeletedRows", "deleted"),
                       ("numRemovedFiles", "files_removed"), ("numAddedFiles", "files_added")):
         if m.get(key) is not None:
-            result.rows[name] = int(str(m[key]).strip('"'))
-    result.rows["partitions"] = count_partitions(r)
+            out.rows[name] = int(str(m[key]).strip('"'))
+    out.rows["partitions"] = count_partitions(ctx.ex, ctx.state, ctx.partition_by)
+    return out
 
 
-def count_partitions(r: "Refresher") -> Optional[int]:
+def count_partitions(ex: Executor, state: str, partition_by: tuple) -> Optional[int]:
     """How many partitions the state holds (its distinct partition values):
     from the Delta snapshot's file list where the executor reads it
     (``delta_partition_count``), else counted by a query."""
-    if not r.partition_by:
+    if not partition_by:
         return None
-    fast = getattr(r.ex, "delta_partition_count", None)
-    count = fast(canonical(r.state)) if fast is not None else None
+    count = ex.delta_partition_count(canonical(state))
     if count is not None:
         return count
-    values = select(*(column_of(c) for c in r.partition_by)).distinct().from_(table(r.state))
-    return int(r.ex.query(render(select(exp.Count(this=exp.Star())).from_(aliased(values, f"{PREFIX}c"))))[0][0])
+    values = select(*(column_of(c) for c in partition_by)).distinct().from_(table(state))
+    return int(ex.query(render(select(exp.Count(this=exp.Star())).from_(aliased(values, f"{PREFIX}c"))))[0][0])

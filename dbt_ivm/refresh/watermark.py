@@ -6,18 +6,17 @@ Read back from the state's history with what that history says since."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from dbt_ivm.catalog import MV, Source
 from dbt_ivm.config import MERGE
 from dbt_ivm.names import canonical, suffixed
-from dbt_ivm.refresh.decide import COST_REASONS, CREATE, FULL, INCREMENTAL, PARTITION
+from dbt_ivm.refresh.values import COST_REASONS, CREATE, FULL, INCREMENTAL, PARTITION
 from dbt_ivm.refresh.log import (
-    _NO_ROW_CHANGE_OPS, Executor, Layers, _epoch, append_layers, describe_history, maintenance_mark, dv_merges, written_bytes,
+    _NO_ROW_CHANGE_OPS, Executor, Layers, _epoch, append_layers, describe_history, maintenance_mark, dv_merges, user_metadata,
+    written_bytes,
 )
 
 
@@ -59,9 +58,9 @@ class Watermark:
     replaced: Optional[int] = None  # the partitions its (partition) refresh replaced
     view: str = ""  # digest of the view statement over the state (a rebuild re-creates the view only if it differs)
     costs: dict = field(default_factory=dict)  # ... and measured_costs of its recent commits
-    sums: dict = field(default_factory=dict)  # AVG sum state column -> Spark's sum type (apply.avg_sum_types)
+    sums: dict = field(default_factory=dict)  # AVG sum state column -> Spark's sum type (aggregate_state.avg_sum_types)
     partition_by: list = field(default_factory=list)  # the state's partition columns (the model's partition_by)
-    partitions: Optional[int] = None  # the state's partitions when last counted (carried: Refresher.partition_total)
+    partitions: Optional[int] = None  # the state's partitions when last counted (carried: measure.Measures.partition_total)
     partitions_age: int = 0  # ... that many refreshes before this one
     rebuild_seconds: Optional[float] = None  # the newest rebuild's cost when its refresh started (carried: measured_costs)
     settled: bool = False  # its refresh first changed the state's properties or layout (one-off work: see measured_costs)
@@ -136,7 +135,7 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
         # isBlindAppend, operationMetrics, userMetadata, engineInfo
         current = int(rows[0][0])
         for at, row in enumerate(rows):
-            wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+            wm = Watermark.from_json(user_metadata(row))
             if wm is not None:
                 wm.foreign = foreign_write(rows[:at])
                 wm.state_version, wm.commit_version = current, int(row[0])
@@ -187,7 +186,7 @@ def measured_costs(history: list[tuple]) -> dict:
     out: dict = {"rebuilt": 0}
     carried = None  # the newest watermark's rebuild_seconds
     for row in history:
-        wm = Watermark.from_json(row[13] if len(row) > 13 else None)
+        wm = Watermark.from_json(user_metadata(row))
         if carried is None and wm is not None:
             carried = wm.rebuild_seconds
         if wm is not None and "incremental" not in out and wm.reason in COST_REASONS:
@@ -245,24 +244,7 @@ def foreign_write(newer: list[tuple]) -> str:
     """
     for row in reversed(newer):
         op = str(row[4] or "").upper()
-        mark = row[13] if len(row) > 13 else None
+        mark = user_metadata(row)
         if op not in _NO_ROW_CHANGE_OPS and maintenance_mark(mark) is None:
             return f"version {int(row[0])} ({op})"
     return ""
-
-
-def _failpoint(name: str, relation: str) -> None:
-    """Crash-test hook: ``DBT_IVM_FAILPOINT=<name>`` kills the process here
-    (SIGKILL, no cleanup), as a power cut would; ``<name>:<relation>`` only in
-    that model's refresh; ``<name>+<seconds>`` that long after passing here
-    (the statement that follows in flight: over a Thrift connection, the
-    server is left running it for a client that is gone). Used by the
-    exactly-once tests."""
-    point, _, model = os.environ.get("DBT_IVM_FAILPOINT", "").partition(":")
-    point, _, delay = point.partition("+")
-    if point == name and (not model or canonical(model) == relation):
-        if not delay:
-            os.kill(os.getpid(), signal.SIGKILL)
-        import threading
-
-        threading.Timer(float(delay), os.kill, (os.getpid(), signal.SIGKILL)).start()

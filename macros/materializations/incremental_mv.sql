@@ -9,20 +9,16 @@
   {#-- Validate config first: nothing runs on a bad config. An incremental_mv of
        this project reading this one (directly or through ephemeral models) reads
        its state's change feed: ivm_change_feed='auto' keeps it on only then. --#}
-  {%- set ivm_config = adapter.ivm_validate_config({
-        'ivm_policy': config.get('ivm_policy', 'auto'),
-        'ivm_full_threshold': config.get('ivm_full_threshold'),
-        'ivm_change_feed': config.get('ivm_change_feed', 'auto'),
-        'ivm_deletion_vectors': config.get('ivm_deletion_vectors', 'auto'),
-        'ivm_state_layout': config.get('ivm_state_layout', 'auto'),
-        'ivm_cost_rule': config.get('ivm_cost_rule', 'auto'),
-        'ivm_partition_threshold': config.get('ivm_partition_threshold'),
-        'ivm_history': config.get('ivm_history', true),
-        'partition_by': config.get('partition_by'),
+  {%- set ivm_values = {} -%}
+  {%- for key in adapter.ivm_config_keys() -%}
+    {%- do ivm_values.update({key: config.get(key)}) -%}
+  {%- endfor -%}
+  {%- do ivm_values.update({
         'ivm_target_schema': target.schema,
         'ivm_invocation_id': invocation_id,
         'ivm_mv_dependents': adapter.ivm_has_mv_readers(graph.nodes, model.unique_id),
-      }, model.name, (model.config or {}).keys() | list) -%}
+      }) -%}
+  {%- set ivm_config = adapter.ivm_validate_config(ivm_values, model.name, (model.config or {}).keys() | list) -%}
   {#-- An enforced contract: the query's columns must match the declared names and
        data types, checked as dbt-spark checks a table (nothing runs otherwise).
        The relation is a view over the state table: Spark puts no constraint on a

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from dbt.adapters.spark_ivm import delta_log
-from dbt_ivm import refresh
-from dbt_ivm.refresh import Refresher, cheapest, commit_stamps, describe_history, estimates, read_watermark
+from dbt_ivm.refresh import INCREMENTAL_PRIOR_S
+from dbt_ivm.refresh import cheapest, commit_stamps, refresh, describe_history, estimates, read_watermark
 from tests.harness import DbtProject, RecordingExecutor, SessionExecutor, check_model, fresh_schemas, spark, sql
 
 pytestmark = pytest.mark.spark
@@ -111,22 +111,22 @@ def test_an_incremental_refresh_records_its_cost(project):
 def test_a_rebuild_skips_what_the_watermark_knows(project):
     sql_text = f"select k, max(v) as hi from {SRC}.t group by k"
     first = RecordingExecutor()
-    assert Refresher(first, sql_text, f"{OUT}.r", {}, True).run().strategy == "CREATE"
+    assert refresh(first, sql_text, f"{OUT}.r", {}, True).strategy == "CREATE"
     assert any(s.startswith("DESCRIBE QUERY") for s in first.statements)
     again = RecordingExecutor()
-    assert Refresher(again, sql_text, f"{OUT}.r", {}, True).run().strategy == "FULL"
+    assert refresh(again, sql_text, f"{OUT}.r", {}, True).strategy == "FULL"
     assert not [s for s in again.statements if s.startswith(("DESCRIBE QUERY", "CREATE OR REPLACE VIEW",
                                                              "DESCRIBE TABLE `"))], again.statements
     assert check_model(f"{OUT}.r", sql_text) is None
     # the view gone, or the SQL changed: re-created
     sql(f"drop view {OUT}.r")
     third = RecordingExecutor()
-    assert Refresher(third, sql_text, f"{OUT}.r", {}, True).run().strategy == "FULL"
+    assert refresh(third, sql_text, f"{OUT}.r", {}, True).strategy == "FULL"
     assert any(s.startswith("CREATE OR REPLACE VIEW") for s in third.statements)
     changed = f"select k, max(v) as hi, min(v) as lo from {SRC}.t group by k"
     fourth = RecordingExecutor()
-    assert Refresher(fourth, changed, f"{OUT}.r", {}, False).run().strategy == "FULL"
+    assert refresh(fourth, changed, f"{OUT}.r", {}, False).strategy == "FULL"
     assert any(s.startswith("DESCRIBE QUERY") for s in fourth.statements)
     assert any(s.startswith("CREATE OR REPLACE VIEW") for s in fourth.statements)
     assert check_model(f"{OUT}.r", changed) is None
-    assert refresh.INCREMENTAL_PRIOR_S > 0
+    assert INCREMENTAL_PRIOR_S > 0

@@ -136,7 +136,7 @@ def test_killed_refreshes_rerun_exactly(tmp_path):
 def test_concurrent_refreshes_apply_a_change_once(tmp_path, layout):
     """``partition``: the merge layout refreshed by the PARTITION strategy
     (ivm_policy='partition', the source and the model partitioned by k)."""
-    from dbt_ivm.refresh import INCREMENTAL, NOOP, PARTITION, Refresher
+    from dbt_ivm.refresh import INCREMENTAL, NOOP, PARTITION, refresh
 
     partitioned = layout == "partition"
     strategy = PARTITION if partitioned else INCREMENTAL
@@ -176,16 +176,16 @@ def test_concurrent_refreshes_apply_a_change_once(tmp_path, layout):
         outcomes: list = []
         barrier = threading.Barrier(2)
 
-        def refresh():
+        def one_refresh():
             ex = SessionExecutor(spark().newSession())
             barrier.wait()
             try:
                 config = {"ivm_change_feed": feed, "ivm_state_layout": layout, "ivm_cost_rule": "off", **extra}
-                outcomes.append(Refresher(ex, compiled, f"{out}.agg", config, False).run().strategy)
+                outcomes.append(refresh(ex, compiled, f"{out}.agg", config, False).strategy)
             except Exception as e:  # a clean failure: Delta's conflict check
                 outcomes.append(f"error: {type(e).__name__}")
 
-        threads = [threading.Thread(target=refresh) for _ in range(2)]
+        threads = [threading.Thread(target=one_refresh) for _ in range(2)]
         for t in threads:
             t.start()
         for t in threads:

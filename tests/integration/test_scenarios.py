@@ -245,8 +245,8 @@ def suite(tmp_path_factory, request):
             # so from its first incremental refresh (dbt runs in this process)
             from dbt_ivm import refresh
 
-            mp.setattr(refresh.refresher, "APPEND_AUTO_BYTES", 0)
-            mp.setattr(refresh.refresher, "BAG_APPEND_AUTO_BYTES", 0)
+            mp.setattr(refresh.chain, "APPEND_AUTO_BYTES", 0)
+            mp.setattr(refresh.chain, "BAG_APPEND_AUTO_BYTES", 0)
         s.run()
         if os.environ.get("DBT_IVM_SCENARIO_FULL", "0") == "1":
             s.run_audit()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 
 from dbt_ivm import refresh
-from dbt_ivm.refresh import Refresher
 from tests.harness import DbtProject, RecordingExecutor, SessionExecutor, check_model, fresh_schemas, sql
 
 pytestmark = pytest.mark.spark
@@ -165,7 +164,7 @@ def test_append_layout_of_plain_rows(project, monkeypatch):
     _exact(out, "rows_auto")
     assert out.response("rows_auto")["rows"].get("consolidated") == 1, out.response("rows_auto")
     assert _layout("rows_auto") == "merge" and _state_rows("rows_auto") < visible + 1
-    monkeypatch.setattr(refresh.refresher, "BAG_APPEND_AUTO_BYTES", 1)
+    monkeypatch.setattr(refresh.chain, "BAG_APPEND_AUTO_BYTES", 1)
     steps = [
         # a copy of duplicated rows goes (one of two (g, v) rows differing only in k), rows come in twice
         [f"delete from {SRC}.t where k = 2 and v = 50", f"insert into {SRC}.t values (2, 'g2', 50, 0.0), "
@@ -233,13 +232,13 @@ def test_auto_layout_switches_big_states_and_back_to_merge(project, monkeypatch)
 
     # a state is "big" from APPEND_AUTO_BYTES written by one of its commits:
     # lowered to one byte here (the reading of the history and the switch are the same code)
-    monkeypatch.setattr(refresh.refresher, "APPEND_AUTO_BYTES", 1)
+    monkeypatch.setattr(refresh.chain, "APPEND_AUTO_BYTES", 1)
     sql(f"delete from {SRC}.t where k = 7")
     out = project.dbt("run", "--select", "grown")
     _exact(out, "grown")
     assert out.code("grown") == "INCREMENTAL" and "appended" in out.response("grown")["rows"]
     assert _layout("grown") == "append"
-    monkeypatch.setattr(refresh.refresher, "APPEND_AUTO_BYTES", 1 << 40)  # once append, it stays append
+    monkeypatch.setattr(refresh.chain, "APPEND_AUTO_BYTES", 1 << 40)  # once append, it stays append
     sql(f"insert into {SRC}.t values (8, 'g1', 80, 1.0)")
     out = project.dbt("run", "--select", "grown")
     _exact(out, "grown")
@@ -312,7 +311,7 @@ def test_a_rebuild_writes_plain_rows_as_they_come_and_a_merge_consolidates_repea
 
     def refresh_once(full: bool):
         ex = RecordingExecutor()
-        result = Refresher(ex, text, f"{OUT}.u_rows", config, full).run()
+        result = refresh.refresh(ex, text, f"{OUT}.u_rows", config, full)
         assert check_model(f"{OUT}.u_rows", text) is None
         writes = [s for s in ex.statements if s.startswith(("CREATE TABLE", "INSERT OVERWRITE", "MERGE"))]
         return result, writes

@@ -86,7 +86,7 @@ def test_auto_deletion_vectors_turn_on_with_the_state_size(project, monkeypatch)
     state = f"{OUT}.top__ivm_state"
     assert table_properties(state).get("delta.enableDeletionVectors") == "false"  # a few KB: left off
     _, before = refresh.read_watermark(SessionExecutor(), state)
-    monkeypatch.setattr(refresh.refresher, "DV_AUTO_BYTES", 1)
+    monkeypatch.setattr(refresh.chain, "DV_AUTO_BYTES", 1)
     sql(f"update {SRC}.t set v = v + 7 where v % 211 = 3")
     out = project.dbt("run")
     _check(out)
@@ -98,7 +98,7 @@ def test_auto_deletion_vectors_turn_on_with_the_state_size(project, monkeypatch)
     # measure of the next refreshes (the cost rule leaves it out)
     points = lambda w: w.costs.get("incremental_points", [])  # noqa: E731
     assert wm.settled and points(wm) == points(before), (points(before), points(wm))
-    monkeypatch.setattr(refresh.refresher, "DV_AUTO_BYTES", 1 << 40)  # once on, they stay on
+    monkeypatch.setattr(refresh.chain, "DV_AUTO_BYTES", 1 << 40)  # once on, they stay on
     sql(f"update {SRC}.t set v = v + 7 where v % 211 = 4")
     out = project.dbt("run")
     _check(out)

@@ -336,8 +336,9 @@ def test_materialized_pieces_are_named_views_not_ctes():
 
     plan = build_plan("select a.i, b.k from db.a a left join db.b b on a.i = b.i", VERSIONED)
     window = Window(old={"db.a": 2, "db.b": 5}, new={"db.a": 3, "db.b": 5})
-    with materialized("t1") as pieces:
-        d = delta(plan.input, window).sql("spark")
+    shared = materialized(window, "t1")
+    d = delta(plan.input, shared).sql("spark")
+    pieces = shared.pieces
     names = [n for n, _ in pieces.items]
     assert names and all(n.endswith("_t1") for n in names)
     assert not d.upper().startswith("WITH") and all(f"`{n}`" in d for n in names if n.startswith("__ivm_r"))

@@ -121,3 +121,16 @@ def test_the_checks_fail_on_broken_input():
     assert sections("## Architecture\n") == set()
     assert missing_anchors("[x](docs/DESIGN.md#3-the-delta-rules) [y](docs/DESIGN.md#2-state)", design) == [
         "2-state"]
+
+
+def config_rows(text: str) -> list[str]:
+    """The keys of the README's configuration table, in order."""
+    section = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\|\s*`([a-z_]+)`\s*\|", section, re.MULTILINE)
+
+
+def test_the_readme_lists_every_config_key_the_materialization_reads():
+    from dbt_ivm.config import KEYS
+
+    assert config_rows((REPO / "README.md").read_text()) == list(KEYS)
+    assert config_rows("## Configuration\n| `ivm_policy` | x |\n## Next\n| `ivm_other` | y |") == ["ivm_policy"]

@@ -6,6 +6,7 @@ import pytest
 from dbt_ivm.catalog import OTHER, Catalog, Source
 from dbt_ivm.config import validate_config
 from dbt_ivm.errors import IvmConfigError, Reason
+from dbt_ivm.executor import Executor
 from dbt_ivm.names import canonical
 from dbt_ivm.partitions import lineage
 from dbt_ivm.refresh import FULL, INCREMENTAL, NOOP, PARTITION, Decision, Watermark, decide
@@ -199,7 +200,7 @@ def test_a_reason_names_where_its_construct_is(sql, code, at):
     assert (e.value.reason.code, e.value.reason.where) == (code, at)
 
 
-class _Counts:
+class _Counts(Executor):
     """A fake executor answering the partition count query."""
 
     def __init__(self, partitions: int):
@@ -217,12 +218,14 @@ class _Counts:
     (("a", "b", "c"), 4, "partition", PARTITION, False),  # the policy pins the step
 ])
 def test_a_change_of_most_partitions_rebuilds_under_auto(changed, total, policy, expected, counted):
-    from dbt_ivm.refresh import Refresher
+    from dbt_ivm.config import Config
+    from dbt_ivm.refresh.chain import partition_cost
+    from tests.unit.contexts import measures
 
     ex = _Counts(total)
-    r = Refresher(ex, "select d from db.f", "db.m", {"partition_by": "d", "ivm_policy": policy}, False)
-    d = r._partition_cost(Decision(PARTITION, Reason("CDF_DISABLED", "x"), ((INCREMENTAL, Reason("CDF_DISABLED", "x")),)),
-                          Change("d", changed))
+    config = {"partition_by": "d", "ivm_policy": policy}
+    d = partition_cost(Decision(PARTITION, Reason("CDF_DISABLED", "x"), ((INCREMENTAL, Reason("CDF_DISABLED", "x")),)),
+                       Change("d", changed), Config.of(config), measures(ex, config))
     assert d.strategy == expected
     assert bool(ex.sql) == counted
     if expected == FULL:

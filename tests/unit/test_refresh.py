@@ -4,9 +4,11 @@ import pytest
 
 from dbt_ivm.catalog import DELTA, OTHER, Source
 from dbt_ivm.errors import IvmConfigError, Reason
+from dbt_ivm.executor import Executor
 from dbt_ivm.refresh import (
-    CREATE, FULL, INCREMENTAL, NOOP, Watermark, decide, validate_config,
+    CREATE, FULL, INCREMENTAL, NOOP, Watermark, decide,
 )
+from dbt_ivm.config import validate_config
 
 SRC = Source("db.a", (("i", "int"),), kind=DELTA, version=5, cdf=True)
 
@@ -233,7 +235,7 @@ def test_dv_merges_counts_back_to_the_last_rewrite():
     assert dv_merges(h[:2] + [_commit(2, "WRITE", {"mode": "Append"}, {})] + h[2:]) == 2  # an append rewrites nothing
 
 
-class _Recorder:
+class _Recorder(Executor):
     def __init__(self):
         self.sql = []
 
@@ -251,13 +253,13 @@ class _Recorder:
     ({"ivm_deletion_vectors": "true"}, False, True, None),  # as recorded: nothing to do
 ])
 def test_state_properties_are_set_only_where_the_watermark_differs(config, change_feed, dvs, expected):
-    from dbt_ivm.refresh import Refresher
+    from dbt_ivm.refresh import commit
+    from tests.unit.contexts import context
 
     ex = _Recorder()
-    r = Refresher(ex, "select 1", "db.m", config, False)
     old = wm()
     old.change_feed, old.deletion_vectors = change_feed, dvs
-    r.set_properties(old)
+    assert commit.set_properties(context(ex, config=config), old) is (expected is not None)
     assert ex.sql == ([] if expected is None else [f"ALTER TABLE `db`.`m__ivm_state` SET TBLPROPERTIES {expected}"])
 
 
@@ -278,15 +280,13 @@ def test_invalid_deletion_vectors_value_names_the_valid_values():
     ("true", None, True, 0, True),
 ])
 def test_auto_deletion_vectors_follow_the_state_size(setting, had, incremental, written, expected):
-    from dbt_ivm.refresh import Refresher
+    from dbt_ivm.config import Config
+    from dbt_ivm.refresh.chain import settle_dvs
 
-    ex = _Recorder()
-    r = Refresher(ex, "select 1", "db.m", {"ivm_deletion_vectors": setting}, False)
     old = wm()
     old.deletion_vectors, old.written_bytes = had, written
-    r._settle_dvs(old, incremental)
-    assert r.deletion_vectors is expected
-    assert ex.sql == []  # decided from the history already read: no query
+    # decided from the history already read: a pure function, no query
+    assert settle_dvs(Config.of({"ivm_deletion_vectors": setting}), old, incremental) is expected
 
 
 def test_written_bytes_reads_every_writers_metric():
@@ -333,7 +333,8 @@ class _RanOut(_Recorder):
 def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, groups, expected):
     from dbt_ivm.catalog import Catalog
     from dbt_ivm.plan import build_plan
-    from dbt_ivm.refresh import Refresher, Result, incremental
+    from dbt_ivm.refresh import incremental
+    from tests.unit.contexts import context
 
     src = Source("db.a", (("i", "int"), ("j", "int")), kind=DELTA, version=6, cdf=True)
     sql_text = "select i, min(j) as mn from db.a group by i"
@@ -342,14 +343,14 @@ def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, gro
                     [{"name": "db.a", "kind": "delta", "physical": "db.a", "multiplicity": None,
                       "columns": [["i", "int"], ["j", "int"]], "version": 5}], recomputed=last_recomputed)
     ex = _RanOut(groups)
-    r = Refresher(ex, sql_text, "db.m", {}, False)
-    result = Result(INCREMENTAL, None)
-    incremental.run(r, plan, [src], old, result, broadcast=True)
+    out = incremental.run(context(ex, sql_text, watermark=old, plan=plan, sources=[src]), broadcast=True)
     steps = [s.split()[0] for s in ex.sql if not s.startswith(("SET ", "RESET ", "ALTER TABLE"))]
     assert steps == expected
-    assert result.rows.get("recomputed_groups") == (groups or None)
-    assert r.recomputed == groups  # what the written watermark records
-    assert bool(result.notes) == (last_recomputed == 0 and groups > 0)
+    assert out.rows.get("recomputed_groups") == (groups or None)
+    committed = [s for s in ex.sql if s.startswith("SET spark.databricks.delta.commitInfo.userMetadata=")]
+    written = Watermark.from_json(committed[-1].split("=", 1)[1].strip("`").replace("``", "`"))
+    assert written.recomputed == groups  # what the written watermark records
+    assert bool(out.notes) == (last_recomputed == 0 and groups > 0)
 
 
 # --------------------------------------------------------------------------- state layout
@@ -484,17 +485,18 @@ def test_cost_rule_counts_partitions_only_when_partition_may_win(monkeypatch):
     refresh could be estimated cheapest; FULL is still weighed without it."""
     from types import SimpleNamespace
 
-    from dbt_ivm.refresh.decide import Decision
-    from dbt_ivm.refresh.refresher import Refresher
+    from dbt_ivm.config import Config
+    from dbt_ivm.refresh.chain import cost_rule
+    from dbt_ivm.refresh.values import Decision
 
-    r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"], "ivm_policy": "auto"}, False)
+    config = Config.of({"partition_by": ["d"], "ivm_policy": "auto"})
     counted = []
-    monkeypatch.setattr(r, "partition_total", lambda: counted.append(1) or 100)
-    part, r.changes = SimpleNamespace(values=[("2024-01-01",)]), 1000
+    measures = SimpleNamespace(total=None, partition_total=lambda: counted.append(1) or 100)
+    part = SimpleNamespace(values=[("2024-01-01",)])
 
     def choose(costs):
         counted.clear()
-        return r._cheapest(Decision("INCREMENTAL"), part, SimpleNamespace(costs=costs))
+        return cost_rule(Decision("INCREMENTAL"), part, SimpleNamespace(costs=costs), 1000, config, measures)
 
     decision, est = choose({"full": 15.8, "incremental": (0.7, 1000)})  # 0.7 s < FIXED_S
     assert decision.strategy == "INCREMENTAL" and not counted and set(est) == {"INCREMENTAL", "FULL"}
@@ -512,33 +514,35 @@ def test_partition_count_is_carried_and_recounted(monkeypatch):
     partition threshold rebuilds on a carried count."""
     from types import SimpleNamespace
 
+    from dbt_ivm.config import Config
     from dbt_ivm.refresh import partition
-    from dbt_ivm.refresh.decide import Decision
-    from dbt_ivm.refresh.refresher import RECOUNT_AFTER, Refresher
+    from dbt_ivm.refresh.chain import too_many_partitions
+    from dbt_ivm.refresh.measure import RECOUNT_AFTER
+    from tests.unit.contexts import measures
 
     counts = []
-    monkeypatch.setattr(partition, "count_partitions", lambda r: counts.append(1) or 30 + len(counts))
+    monkeypatch.setattr(partition, "count_partitions", lambda ex, state, by: counts.append(1) or 30 + len(counts))
+
+    def carrying(carried, config=None):
+        m = measures(None, config or {"partition_by": ["d"]}, wm())
+        m._carried = carried  # as the watermark of the same signature carries it
+        return m
+
     carried, seen = None, []
     for _ in range(2 * RECOUNT_AFTER + 3):
-        r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"]}, False)
-        r._carried = carried
-        seen.append(r.partition_total())
-        out = r.watermark_for(None, [], "sig", Decision("INCREMENTAL"), {}, {})
-        carried = (out.partitions, out.partitions_age)
+        m = carrying(carried)
+        seen.append(m.partition_total())
+        carried = m.partitions_known()  # what the watermark records
     assert len(counts) == 3 and seen == [31] * (RECOUNT_AFTER + 1) + [32] * (RECOUNT_AFTER + 1) + [33]
     # a refresh that does not ask still carries it, one refresh older
-    r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"]}, False)
-    r._carried = (40, 2)
-    out = r.watermark_for(None, [], "sig", Decision("INCREMENTAL"), {}, {})
-    assert (out.partitions, out.partitions_age) == (40, 3) and len(counts) == 3
+    assert carrying((40, 2)).partitions_known() == (40, 3) and len(counts) == 3
     # a carried count that would make the threshold rule rebuild is counted anew first
-    r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"], "ivm_policy": "auto"}, False)
-    r._carried = (2, 3)  # the state had 2 partitions three refreshes ago; 34 now
+    auto = {"partition_by": ["d"], "ivm_policy": "auto"}
     days = SimpleNamespace(values=[("2024-01-01",), ("2024-01-02",)])
-    assert r._too_many_partitions(days) is None and len(counts) == 4
-    r = Refresher(None, "select d from db.a", "s.m", {"partition_by": ["d"], "ivm_policy": "auto"}, False)
-    r._carried = (40, 3)
-    assert r._too_many_partitions(SimpleNamespace(values=[(str(i),) for i in range(30)])).code == \
+    # the state had 2 partitions three refreshes ago; 34 now
+    assert too_many_partitions(days, Config.of(auto), carrying((2, 3), auto)) is None and len(counts) == 4
+    assert too_many_partitions(SimpleNamespace(values=[(str(i),) for i in range(30)]), Config.of(auto),
+                               carrying((40, 3), auto)).code == \
         "PARTITIONS_TOO_MANY" and len(counts) == 5  # 30 of 40: counted anew (35), still too many
 
 
@@ -551,14 +555,20 @@ def test_the_newest_rebuild_cost_is_carried_past_the_commits_read():
     rebuild's cost)."""
     import datetime as d
 
-    from dbt_ivm.refresh.decide import Decision, cheapest, estimates
-    from dbt_ivm.refresh.refresher import Refresher
+    import dataclasses
+
+    from dbt_ivm.refresh import commit
+    from dbt_ivm.refresh.context import Written
+    from dbt_ivm.refresh.decide import cheapest, estimates
+    from dbt_ivm.refresh.values import Decision
     from dbt_ivm.refresh.watermark import measured_costs
+    from tests.unit.contexts import context
 
     t0 = d.datetime(2026, 1, 1, 12, 0, 0)
-    r = Refresher(None, "select d from db.a", "s.m", {}, False)
-    r.started, r.rebuild_seconds, r.replaced = t0.timestamp(), 5.9, 3
-    wm = r.watermark_for(None, [], "sig", Decision("PARTITION"), {}, {})
+    before = globals()["wm"]()
+    before.costs = {"full": 5.9}  # the newest rebuild's cost, as the state's history gave it
+    ctx = dataclasses.replace(context(None, watermark=before), started=t0.timestamp())
+    wm = commit.watermark(ctx, Decision("PARTITION"), "sig", {}, {}, Written(replaced=3))
     history = [(40 - i, t0 + d.timedelta(seconds=1), *[None] * 11, wm.to_json()) for i in range(20)]
     costs = measured_costs(history)
     assert costs["full"] == 5.9
@@ -596,17 +606,15 @@ MINMAX = "select i, max(v) as m from db.a group by i"
     ("append", SUMS, False, "merge", True, 0, "append"),
 ])
 def test_state_layout_follows_plan_readers_and_size(setting, sql, readers, had, incremental, written, expected):
-    from dbt_ivm.refresh import Refresher
+    from dbt_ivm.config import Config
+    from dbt_ivm.refresh.chain import settle_layout
 
-    ex = _Recorder()
-    r = Refresher(ex, sql, "db.m", {"ivm_state_layout": setting, "ivm_mv_dependents": readers}, False)
+    config = Config.of({"ivm_state_layout": setting, "ivm_mv_dependents": readers})
     old = wm()
     old.layout, old.written_bytes = had, written
-    r._settle_layout(_plan(sql), old, incremental)
-    assert r.layout == expected
-    assert ex.sql == []  # decided from the history already read: no query
-    r._settle_layout(_plan(sql), None, False)  # a first build
-    assert r.layout == ("append" if setting == "append" else "merge")
+    # decided from the history already read: a pure function, no query
+    assert settle_layout(config, _plan(sql), old, incremental) == expected
+    assert settle_layout(config, _plan(sql), None, False) == ("append" if setting == "append" else "merge")
 
 
 @pytest.mark.parametrize("sql,readers,says", [
@@ -615,13 +623,13 @@ def test_state_layout_follows_plan_readers_and_size(setting, sql, readers, had, 
     (SUMS, True, "reads this model"),
 ])
 def test_append_where_it_cannot_hold_is_a_config_error(sql, readers, says):
-    from dbt_ivm.refresh import Refresher
+    from dbt_ivm.config import Config
+    from dbt_ivm.refresh.chain import check_layout
 
-    r = Refresher(_Recorder(), sql, "db.m", {"ivm_state_layout": "append", "ivm_mv_dependents": readers}, False)
     with pytest.raises(IvmConfigError, match="ivm_state_layout 'append'") as e:
-        r._check_layout(_plan(sql))
+        check_layout(_plan(sql), Config.of({"ivm_state_layout": "append", "ivm_mv_dependents": readers}))
     assert says in str(e.value) and "auto or merge" in str(e.value)
-    Refresher(_Recorder(), sql, "db.m", {"ivm_mv_dependents": readers}, False)._check_layout(_plan(sql))  # auto: fine
+    check_layout(_plan(sql), Config.of({"ivm_mv_dependents": readers}))  # auto: fine
 
 
 def test_watermark_keeps_layout_but_not_layers():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -15,8 +16,10 @@ from dbt.adapters.spark.impl import SparkAdapter
 from dbt_common.exceptions import CompilationError, DbtRuntimeError
 
 from dbt.adapters.spark_ivm.connections import SparkIvmConnectionManager
+from dbt_ivm.executor import Executor  # no sqlglot, no pyspark: cheap at dbt's start
 
 logger = AdapterLogger("spark_ivm")
+_HISTORY_LOCK = threading.Lock()
 
 
 @dataclass
@@ -36,15 +39,14 @@ class IvmAdapterResponse(AdapterResponse):
     estimates: Optional[dict] = None  # strategy -> seconds the cost rule estimated, beside ``seconds``
 
 
-class _Executor:
+class _Executor(Executor):
     """dbt_ivm's Executor over this adapter's thread connection."""
-
-    # Refresh history rows are written once per invocation (SparkIvmAdapter.cleanup_connections).
-    defers_history = True
 
     def __init__(self, adapter: "SparkIvmAdapter"):
         self.adapter = adapter
         self.timings: list = []
+        # Refresh history rows are written once per invocation (SparkIvmAdapter.cleanup_connections).
+        self.history = adapter.ivm_pending_history()
 
     def query(self, sql: str) -> list[tuple]:
         start = time.time()
@@ -167,16 +169,32 @@ class SparkIvmAdapter(SparkAdapter):
     def cleanup_connections(self) -> None:
         """dbt's end of an invocation: first the refresh history rows of its
         refreshes (one INSERT per history table, dbt_ivm.refresh.history)."""
-        from dbt_ivm.refresh import history
-
-        if history.pending():
+        pending = self.__dict__.get("_ivm_history")
+        if pending:
             try:
                 with self.connection_named("dbt_ivm_history"):
-                    for problem in history.flush(_Executor(self)):
+                    for problem in pending.flush(_Executor(self)):
                         logger.warning(f"dbt_ivm: {problem}")
             except Exception as e:  # noqa: BLE001 - history is best effort
                 logger.warning(f"dbt_ivm: refresh history not written: {str(e)[:300]}")
         super().cleanup_connections()
+
+    def ivm_pending_history(self):
+        """The refresh history rows this adapter's refreshes keep for
+        cleanup_connections (a dbt_ivm.refresh.history.Pending)."""
+        with _HISTORY_LOCK:  # dbt's threads refresh at once
+            if "_ivm_history" not in self.__dict__:
+                from dbt_ivm.refresh.history import Pending
+
+                self.__dict__["_ivm_history"] = Pending()
+            return self.__dict__["_ivm_history"]
+
+    @available
+    def ivm_config_keys(self) -> list:
+        """The config keys an incremental_mv reads from its model (dbt_ivm.config.KEYS)."""
+        from dbt_ivm.config import KEYS
+
+        return list(KEYS)
 
     @available
     def ivm_validate_config(self, config: dict, model: str = "", given: Optional[list] = None) -> dict:
@@ -203,7 +221,7 @@ class SparkIvmAdapter(SparkAdapter):
         """Plan and apply one refresh of an incremental_mv; returns what ran and why."""
         from dbt_ivm.errors import IvmConfigError, IvmError
         from dbt_ivm.names import display
-        from dbt_ivm.refresh import Refresher
+        from dbt_ivm.refresh import refresh
 
         name = _relation_name(relation)
         if str(config.get("ivm_change_feed")).lower() == "false" and config.get("ivm_mv_dependents"):
@@ -213,7 +231,7 @@ class SparkIvmAdapter(SparkAdapter):
             )
         try:
             ex = _Executor(self)
-            result = Refresher(ex, sql, name, dict(config), bool(full_refresh)).run()
+            result = refresh(ex, sql, name, dict(config), bool(full_refresh))
             if os.environ.get("DBT_IVM_TIMINGS"):
                 print("\n".join(f"    {t:6.2f}s {q}" for t, q in ex.timings))
         except IvmConfigError as e:

@@ -1,0 +1,275 @@
+"""The chain: from the facts to the final Decision, with every step it
+skipped and why. ``decide`` (decide.py) picks the first step that applies;
+then, in order: the change feed's window sized (a feed that does not cover it
+falls back), ivm_full_threshold, a change of no rows (NOOP), the partition
+threshold, the cost rule, the state's settings (deletion vectors, layout) and
+the rebuilds a layout change forces. Pure but for ``Measures``, which
+measures on demand what the steps ask (tests hand in a fake)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from dbt_ivm import apply
+from dbt_ivm.config import APPEND, MERGE, Config
+from dbt_ivm.errors import IvmConfigError, IvmError, Reason
+from dbt_ivm.plan import AGGREGATE, BAG, Plan
+from dbt_ivm.refresh.context import Choice, Facts, Settings
+from dbt_ivm.refresh.decide import cheapest, decide, estimates, partition_floor, too_large
+from dbt_ivm.refresh.values import _REBUILD_REASONS, FULL, INCREMENTAL, NOOP, PARTITION, Decision
+from dbt_ivm.refresh.watermark import Watermark
+
+
+# ivm_state_layout='auto' keeps an eligible aggregate's state as appended layers
+# once a commit of the state wrote this much (see settle_layout).
+APPEND_AUTO_BYTES = 2 << 20
+
+
+# ... and a model of plain rows once it wrote this much. Its append layout
+# saves the MERGE that matches every state row on every column (measured on 2
+# cores, docs/DESIGN.md §2: 2-3 s against 1.6 s at 6 MiB,
+# 5.6-7.5 s against 1.2-2.5 s at 20 MiB, 15-20 s against 1.2-3.2 s at 200 MiB),
+# but while a layer holds removals each read scans the state twice, about a
+# second more per read at 6-20 MiB: below this size the trade does not pay.
+BAG_APPEND_AUTO_BYTES = 16 << 20
+
+
+# ivm_deletion_vectors='auto' turns them on once a commit of the state table
+# wrote this much (written_bytes; a rebuild writes all of it). A
+# MERGE into a state with deletion vectors marks the rows it replaces instead of
+# rewriting every file it touches: measured (BENCHMARKS.md) ~1 s cheaper on a
+# 2.4 MiB state, 35-50 % on 26-46 MiB states, and 0.3-1 s dearer on states of
+# 1.6 MiB and less.
+DV_AUTO_BYTES = 2 << 20
+
+
+def cdf_unavailable(e: BaseException) -> Reason:
+    return Reason(
+        "CDF_UNAVAILABLE", f"the change data feed does not cover the window: {str(e)[:200]}",
+        "keep delta.enableChangeDataFeed on and refresh more often than the feed's retention "
+        "(for an incremental_mv read by a model outside this dbt project, set ivm_change_feed: true on it)")
+
+
+def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation: str = "") -> Choice:
+    """The final decision for this refresh, and what was measured for it
+    (``measures``: a measure.Measures). Raises IvmConfigError for a config
+    that cannot hold, IvmError where the policy forbids the fallback."""
+    plan, watermark, part = facts.plan, facts.watermark, facts.partition
+    decision = decide(
+        policy=config.policy, full_refresh=full_refresh,
+        state_exists=facts.state_exists, view_exists=facts.view_exists,
+        watermark=watermark, sig=facts.sig, sources=list(facts.sources),
+        unsupported=facts.unsupported.reason if facts.unsupported else None,
+        partition=part if isinstance(part, Reason) else None,
+        kind=plan.kind if plan else None,
+    )
+    # The state's own change feed costs every write ~30 %; it is kept only for
+    # readers of it: incremental_mv models built on this one.
+    change_feed = config.change_feed == "true" or (config.change_feed == "auto" and config.mv_dependents)
+    check_layout(plan, config)
+    check_feed_columns(plan, change_feed)
+    allowed(decision, config, relation)
+    sizes: dict = {}
+    changes = None
+    if decision.strategy == INCREMENTAL:
+        try:
+            sizes = measures.change_sizes()
+        except Exception as e:  # the feed does not cover the window (enabled late, vacuumed)
+            sizes, decision = {}, fallback(part, cdf_unavailable(e), decision.skipped, config)
+            allowed(decision, config, relation, e)
+        costly = too_large(sizes, config.full_threshold)
+        changes = sum(c for c, _ in sizes.values())
+        if decision.strategy != INCREMENTAL:
+            pass
+        elif costly and config.policy == "auto":
+            decision = fallback(part, costly, decision.skipped, config)
+        elif not any(c for c, _ in sizes.values()):
+            # New versions without changed rows (an UPDATE matching nothing, an
+            # upstream MERGE that changed no row): nothing to write. The
+            # watermark stays; the empty range is re-read cheaply next time.
+            decision = Decision(NOOP, Reason("NO_ROW_CHANGES", "sources have new versions but no changed rows"))
+    if decision.strategy == PARTITION:
+        decision = partition_cost(decision, part, config, measures)
+    estimated: dict = {}
+    if decision.strategy in (INCREMENTAL, PARTITION) and config.weighs_costs:
+        decision, estimated = cost_rule(decision, part, watermark, changes, config, measures)
+    if not measures.sized and watermark is not None:
+        measures.carry_rows()
+    incr = decision.strategy == INCREMENTAL
+    dvs = settle_dvs(config, watermark, incr)
+    # A partition refresh keeps the layout it finds (a switch to append
+    # re-creates the view, which only the incremental path does).
+    layout = settle_layout(config, plan, watermark, incr)
+    if decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and layout != APPEND:
+        decision = Decision(FULL, Reason(
+            "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
+    elif decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and config.partition_by \
+            and plan is not None and plan.kind == AGGREGATE and not watermark.keyed_layers:
+        decision = Decision(FULL, Reason(
+            "STATE_LAYOUT_CHANGED", "an earlier dbt-ivm appended this partitioned state's layers to its NULL "
+            "partition, outside their groups' partitions: a partition refresh or compaction would miss them"))
+    elif decision.strategy == PARTITION:
+        layout = watermark.layout  # the view it finds reads the rows it writes
+    return Choice(
+        decision=decision, settings=Settings(layout, dvs, change_feed),
+        estimates=estimated, sizes=sizes, changes=changes,
+        source_rows=measures.source_rows(), partitions=measures.partitions_known(),
+    )
+
+
+def fallback(part, reason: Reason, skipped: tuple, config: Config) -> Decision:
+    """The next step of the chain after INCREMENTAL gave way for ``reason``:
+    PARTITION where it applies (and the policy allows), else FULL."""
+    skipped = tuple(skipped) + ((INCREMENTAL, reason),)
+    if not isinstance(part, Reason) and config.policy in ("auto", "partition"):
+        return Decision(PARTITION, reason, skipped)
+    return Decision(FULL, reason, skipped + ((PARTITION, part),))
+
+
+def allowed(decision: Decision, config: Config, relation: str, cause: Optional[BaseException] = None) -> None:
+    """Under ivm_policy 'incremental' or 'partition' a fallback to FULL is an
+    error naming the reason (rebuilds that are by nature — first build,
+    --full-refresh, changed SQL — still run)."""
+    policy = config.policy
+    if policy in ("incremental", "partition") and decision.strategy == FULL \
+            and decision.reason.code not in _REBUILD_REASONS:
+        what = "incremental" if policy == "incremental" else "a partition refresh"
+        raise IvmError(
+            f"ivm_policy is '{policy}' but the refresh of {relation} cannot be "
+            f"{what}: {decision.reason.message()}"
+        ) from cause
+
+
+def cost_rule(decision: Decision, part, watermark: Watermark, changes: Optional[int], config: Config,
+              measures) -> tuple[Decision, dict]:
+    """The cost rule (ivm_policy 'auto', ivm_cost_rule 'auto'): among the
+    strategies of the chain that apply from the one decided on, the one
+    estimated cheapest from the state's measured costs (decide.estimates).
+    Returns the decision and the estimates (recorded beside the actual time)."""
+    candidates = [decision.strategy] + ([PARTITION] if decision.strategy == INCREMENTAL and
+                                        not isinstance(part, Reason) else []) + [FULL]
+    replaced = total = None
+    costs = watermark.costs
+    changes = changes if decision.strategy == INCREMENTAL else None
+    passed = part  # why PARTITION is passed over, if it is not for cost
+    if PARTITION in candidates and decision.strategy == INCREMENTAL:
+        # Estimated dearer than INCREMENTAL whatever the state's partition
+        # count: not a candidate, and the partitions are not counted.
+        inc = estimates(costs, changes, rows=measures.total).get(INCREMENTAL)
+        floor = partition_floor(costs, len(part.values))
+        if inc is not None and floor is not None and inc[0] < floor:
+            candidates.remove(PARTITION)
+            passed = None
+        else:
+            too_many = too_many_partitions(part, config, measures)
+            if too_many is not None:  # the threshold rule holds here too
+                candidates.remove(PARTITION)
+                passed = too_many
+    if PARTITION in candidates:
+        replaced = len(part.values)
+        if not costs.get("partition") and costs.get("full") is not None:
+            total = measures.partition_total()
+    est = estimates(costs, changes, replaced, total, measures.total)
+    best, why = cheapest(candidates, est, costs, changes)
+    if best == decision.strategy:
+        return decision, est
+    skipped = decision.skipped + ((decision.strategy, why),)
+    if best == PARTITION:
+        return Decision(PARTITION, why, skipped), est
+    if decision.strategy == INCREMENTAL:
+        skipped += ((PARTITION, passed if isinstance(passed, Reason) else why),)
+    return Decision(FULL, why if decision.strategy == INCREMENTAL else decision.reason, skipped), est
+
+
+def partition_cost(decision: Decision, part, config: Config, measures) -> Decision:
+    """Under ivm_policy 'auto', a change touching more than
+    ivm_partition_threshold of the state's partitions is rebuilt whole."""
+    why = too_many_partitions(part, config, measures)
+    if why is None:
+        return decision
+    return Decision(FULL, decision.reason or why, decision.skipped + ((PARTITION, why),))
+
+
+def too_many_partitions(part, config: Config, measures) -> Optional[Reason]:
+    """PARTITIONS_TOO_MANY when, under ivm_policy 'auto', the change touches
+    more than ivm_partition_threshold of the state's partitions (never for
+    one partition: no count needed)."""
+    if config.policy != "auto" or len(part.values) < 2:
+        return None
+    limit = config.partition_threshold
+    total = measures.partition_total()
+    if total and len(part.values) > limit * total and measures.partition_age() > 0:
+        total = measures.partition_total(fresh=True)  # a rebuild is decided on a fresh count, not a carried one
+    if total and len(part.values) > limit * total:
+        return Reason("PARTITIONS_TOO_MANY",
+                      f"the change touches {len(part.values)} of the model's {total} partitions, more than "
+                      f"ivm_partition_threshold {limit:g}",
+                      "a rebuild is cheaper; raise ivm_partition_threshold to replace partitions anyway")
+    return None
+
+
+def check_feed_columns(plan: Optional[Plan], change_feed: bool) -> None:
+    """Delta 4.4 fails every UPDATE or MERGE of a table with a change feed
+    whose column name holds a backtick (INVALID_ATTRIBUTE_NAME_SYNTAX on its
+    internal `packedData.<name>`, with or without column mapping; checked by
+    hand). A maintained state with a change feed is written by MERGEs: a
+    config error before anything is written, naming the columns."""
+    if plan is None or not change_feed:
+        return
+    ticks = [c for c in plan.columns if "`" in c]
+    if ticks:
+        raise IvmConfigError(
+            f"column(s) {', '.join(ticks)} hold a backtick, and an incremental_mv reads this model through "
+            "its state's change feed: Delta cannot update such a table. Rename the column(s) with an alias.")
+
+
+def check_layout(plan: Optional[Plan], config: Config) -> None:
+    """ivm_state_layout='append' where it cannot hold: a config error, before
+    anything is written."""
+    if config.state_layout != APPEND:
+        return
+    if not apply.append_eligible(plan):
+        raise IvmConfigError(
+            "ivm_state_layout 'append' keeps a state as appended layers of changes: it needs a model "
+            "that refreshes incrementally and is either plain rows or a GROUP BY or scalar aggregate "
+            "of COUNT, SUM and AVG only (no MIN/MAX or DISTINCT). Use ivm_state_layout: auto or merge "
+            "for this model.")
+    if config.mv_dependents:
+        raise IvmConfigError(
+            "ivm_state_layout 'append' cannot serve an incremental_mv that reads this model: such a "
+            "reader follows the state's change feed, which would hold partial sums. Use "
+            "ivm_state_layout: auto or merge for this model.")
+
+
+def settle_layout(config: Config, plan: Optional[Plan], old: Optional[Watermark], incr: bool) -> str:
+    """The state's layout for this refresh. merge: one row per group, updated
+    in place by a MERGE. append: each refresh appends the window's per-group
+    change as a layer of rows and the view sums a group's rows (folded_state);
+    compacted every few layers. An append writes only the change (a MERGE
+    rewrites or marks every state file the change touches), at the cost of
+    reads that aggregate. 'auto' picks append for an eligible plan no
+    incremental_mv reads once a commit of its state wrote APPEND_AUTO_BYTES
+    (BAG_APPEND_AUTO_BYTES for plain rows; read from the history, no
+    query); once append, it stays append."""
+    want = config.state_layout
+    if want != "auto":
+        return want
+    if not apply.append_eligible(plan) or config.mv_dependents or old is None:
+        return MERGE
+    if old.layout == APPEND or (incr and old.written_bytes >= (
+            BAG_APPEND_AUTO_BYTES if plan.kind == BAG else APPEND_AUTO_BYTES)):
+        return APPEND
+    return MERGE
+
+
+def settle_dvs(config: Config, old: Optional[Watermark], incr: bool) -> bool:
+    """ivm_deletion_vectors='auto': on from the first incremental refresh that
+    finds the state big (one of its recent commits wrote DV_AUTO_BYTES or
+    more: read from the history the watermark came from, no query); once on,
+    they stay on. A rebuild keeps what the state had."""
+    if config.deletion_vectors != "auto":
+        return config.deletion_vectors == "true"
+    on = bool(old and old.deletion_vectors)
+    if incr and old is not None and not on:
+        on = old.written_bytes >= DV_AUTO_BYTES
+    return on

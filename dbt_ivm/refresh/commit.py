@@ -1,0 +1,171 @@
+"""What every strategy's write shares: the session confs around the one
+commit (the watermark in its userMetadata, the idempotency key), maintenance
+commits, finding this refresh's own commit, the state's properties, the
+model's view over the state, and the watermark a commit carries. Functions of
+a Context; nothing here decides."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from typing import Optional
+
+from dbt_ivm import apply
+from dbt_ivm.config import APPEND
+from dbt_ivm.errors import IvmError, Reason
+from dbt_ivm.names import set_value
+from dbt_ivm.plan import BAG, Plan
+from dbt_ivm.refresh.context import Context, Written
+from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE
+from dbt_ivm.executor import Executor
+from dbt_ivm.refresh.log import describe_history, user_metadata
+from dbt_ivm.refresh.values import INCREMENTAL, PARTITION, Decision
+from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, read_watermark
+from dbt_ivm.sqltree import create_view as create_view_statement, render, set_properties as set_properties_statement
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def session_confs(ex: Executor, confs: dict):
+    """Spark session confs set around a block: directly where the executor
+    can (the embedded session: ``session_conf``), otherwise SET / RESET."""
+    if not ex.session_conf(confs):
+        for k, v in confs.items():
+            ex.query(f"SET {k}={set_value(v)}")
+    try:
+        yield
+    finally:
+        if not ex.session_conf(confs, reset=True):
+            for k in confs:
+                ex.query(f"RESET {k}")
+
+
+def committing(ctx: Context, wm: Watermark, version: Optional[int], extra: Optional[dict] = None):
+    """Session confs around the one write: the watermark rides in the commit
+    (userMetadata) and (app, version) makes the write idempotent. ``version`` is
+    the version of the commit holding the watermark the write starts from (not
+    the table's current version, which other commits — OPTIMIZE, a change-feed
+    switch — move): two refreshes from the same watermark carry the same txn
+    version, and Delta skips the second."""
+    confs = {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json(), **(extra or {})}
+    if version is not None:
+        confs["spark.databricks.delta.write.txnAppId"] = f"dbt_ivm:{ctx.state}"
+        confs["spark.databricks.delta.write.txnVersion"] = str(version)
+    return session_confs(ctx.ex, confs)
+
+
+def maintenance(ctx: Context, mark: str = MAINTENANCE_MARK):
+    """Session confs around a maintenance write of the state (compaction):
+    its commit is marked as dbt-ivm's own (``mark``: a JSON object with
+    ``dbt_ivm_maintenance``, log.maintenance_mark), so it is not taken for a
+    write from outside (STATE_MODIFIED)."""
+    return session_confs(ctx.ex, {"spark.databricks.delta.commitInfo.userMetadata": mark})
+
+
+def my_commit(ctx: Context) -> Optional[tuple]:
+    """The state's recent commit made by this refresh (its DESCRIBE HISTORY
+    row), or None: Delta skipped the write, a concurrent refresh having
+    committed the same idempotency key first."""
+    for row in describe_history(ctx.ex, ctx.state, 5):
+        wm = Watermark.from_json(user_metadata(row))
+        if wm is not None and wm.run == ctx.run_id:
+            return row
+    return None
+
+
+def state_properties(ctx: Context) -> dict:
+    """The Delta properties the state table should have."""
+    return {
+        "delta.enableChangeDataFeed": "true" if ctx.settings.change_feed else "false",
+        "delta.enableDeletionVectors": "true" if ctx.settings.deletion_vectors else "false",
+    }
+
+
+def set_properties(ctx: Context, old: Optional[Watermark]) -> bool:
+    """Set the state table's properties that differ from what the last
+    watermark recorded (a metadata-only commit, made before the refresh's one
+    write; harmless when repeated). Whether any was set."""
+    had = {} if old is None else {  # unrecorded: what the state tables of older versions had
+        "delta.enableChangeDataFeed": "false" if old.change_feed is False else "true",
+        "delta.enableDeletionVectors": "true" if old.deletion_vectors else "false",
+    }
+    wanted = {k: v for k, v in state_properties(ctx).items() if had.get(k) != v}
+    if wanted:
+        ctx.ex.query(render(set_properties_statement(ctx.state, wanted)))
+    return bool(wanted)
+
+
+def view_statement(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict) -> str:
+    """The model's relation: a view over the state (folding its layers under
+    the append layout); its properties tell readers where the state is."""
+    layout = ctx.settings.layout
+    folded = apply.folded_state(plan, ctx.state, types) if layout == APPEND else None
+    return render(create_view_statement(ctx.relation, apply.view_query(kind, columns, ctx.state, folded),
+                              {PROP_STATE: ctx.state, PROP_KIND: kind, PROP_LAYOUT: layout}))
+
+
+def view_key(statement: str, types: dict) -> str:
+    """The digest a watermark records of the view statement (Watermark.view)."""
+    return digest(statement + json.dumps(types, sort_keys=True))
+
+
+def create_view(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict) -> str:
+    """(Re-)create the model's view; returns its key."""
+    statement = view_statement(ctx, plan, kind, columns, types)
+    ctx.ex.query(statement)
+    return view_key(statement, types)
+
+
+def watermark(ctx: Context, decision: Decision, sig: str, types: dict, sums: dict,
+              written: Written = Written()) -> Watermark:
+    """The watermark the refresh's commit carries."""
+    choice, old = ctx.choice, ctx.watermark
+    rows = choice.source_rows
+    count, age = choice.partitions
+    return Watermark(
+        signature=sig, kind=ctx.plan.kind if ctx.plan else BAG, sql=ctx.facts.sql, columns=types, sums=sums,
+        sources=[
+            {"name": s.name, "kind": s.kind, "physical": s.physical, "multiplicity": s.multiplicity,
+             "columns": [list(c) for c in s.columns], "version": s.version,
+             "committed": dict(s.stamps).get(s.version),
+             "rows": rows.get(s.physical) if rows is not None else None,
+             **({"listing": [[list(k), d] for k, d in s.listing]} if s.listing is not None else {})}
+            for s in ctx.sources
+        ],
+        partition_by=list(ctx.partition_by),
+        strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
+        change_feed=ctx.settings.change_feed, run=ctx.run_id, deletion_vectors=ctx.settings.deletion_vectors,
+        recomputed=written.recomputed, layout=ctx.settings.layout, started=ctx.started, settled=written.settled,
+        rebuild_seconds=old.costs.get("full") if old is not None else None, units=written.units,
+        keyed_layers=True, changes=choice.changes if decision.strategy == INCREMENTAL else None,
+        view=written.view_key if written.view_key is not None else (old.view if old else ""),
+        replaced=written.replaced if decision.strategy == PARTITION else None,
+        partitions=count, partitions_age=age,
+    )
+
+
+def lost(ctx: Context, conflict: str, strategy: str) -> Reason:
+    """After Delta failed a write of the state on a concurrent commit
+    (``conflict``, its error class): the NOOP reason when that was another
+    refresh of the model applying the change (its watermark now follows
+    the one this refresh started from, and no commit of this refresh
+    landed). Otherwise — a rebuild that lost, a write that lost to an
+    OPTIMIZE or an ALTER, a conflict after this refresh's own commit — an
+    error saying what happened: rerunning applies what is left."""
+    before = ctx.watermark
+    if my_commit(ctx) is not None:
+        raise IvmError(f"this refresh committed to {ctx.state}, then a statement after its commit failed on "
+                       f"a concurrent commit (Delta {conflict}); run it again")
+    _, now = read_watermark(ctx.ex, ctx.state)
+    if strategy in (INCREMENTAL, PARTITION) and before is not None and now is not None \
+            and (now.commit_version or 0) > (before.commit_version or 0):
+        return Reason("CONCURRENT_REFRESH",
+                      f"another refresh of this model committed to {ctx.state} while this one ran "
+                      f"(Delta {conflict}); this refresh wrote no change",
+                      "nothing to do: the next dbt run continues from the state that committed")
+    raise IvmError(f"the {strategy} write of {ctx.state} failed on a concurrent commit that was not another "
+                   f"refresh of this model (Delta {conflict}); nothing of this refresh was written: run it again")

@@ -1,0 +1,205 @@
+"""What a refresh reads before it decides: ``gather`` the facts every refresh
+needs (the sources from the catalog, the plan, the state's watermark, what a
+partition refresh would replace), and ``Measures``, the facts that cost a
+Spark job, measured only when the chain asks (the change's size, the state's
+partition count) and kept for the rest of the refresh."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from sqlglot import exp
+
+from dbt_ivm import budget
+from dbt_ivm.catalog import Catalog, Source
+from dbt_ivm.config import Config
+from dbt_ivm.delta import table_changes
+from dbt_ivm.errors import Reason, UnsupportedQuery
+from dbt_ivm.names import canonical
+from dbt_ivm.plan import build_plan, signature
+from dbt_ivm.refresh import partition
+from dbt_ivm.refresh.commit import digest
+from dbt_ivm.refresh.context import Facts
+from dbt_ivm.refresh.decide import NOT_PARTITIONED, SMALL_CHANGE, changed_sources
+from dbt_ivm.refresh.facts import describe_source, relations_present, spark_target
+from dbt_ivm.executor import Executor
+from dbt_ivm.refresh.log import history_head, window_estimate
+from dbt_ivm.refresh.watermark import Watermark, read_watermark
+from dbt_ivm.sqltree import at_version, render, select
+
+
+# The state's partition count (the cost rule's and the partition threshold's
+# denominator) is carried in the watermark and counted anew after this many
+# refreshes: a count is a Spark job over the state's file list, 0.1–0.25 s of
+# a 1–2 s refresh measured at 1 M rows (docs/DESIGN.md §5),
+# and a count some refreshes old moves an estimate by a partition or two in
+# tens. A rebuild the partition threshold would decide on a carried count is
+# decided on a fresh one (a state growing by a partition a day).
+RECOUNT_AFTER = 10
+
+
+def gather(ex: Executor, model, relation: str, state: str, config: Config) -> Facts:
+    """The facts of one refresh of ``model`` (dbt_ivm.model.Model) into
+    ``relation`` and its ``state``: catalog reads and the state's history,
+    no job over data (except partition.prepare's log reads)."""
+    histories: dict = {}
+    sources = tuple(describe_source(ex, n, histories) for n in model.tables)
+    catalog = Catalog({s.name: s for s in sources})
+    target = spark_target(ex)
+    try:
+        plan, unsupported = budget.check(build_plan(model, catalog, target)), None
+    except UnsupportedQuery as u:
+        plan, unsupported = None, u
+    sig = signature(model, list(sources))
+    if config.partition_by:  # the state's partitioning is part of what it holds
+        sig = digest(sig + json.dumps(list(config.partition_by)))
+    present = relations_present(ex, [state, relation])
+    state_exists = state in present
+    watermark = read_watermark(ex, state)[1] if state_exists else None
+    return Facts(
+        model=model, sources=sources, histories=histories, plan=plan, unsupported=unsupported, sig=sig,
+        state_exists=state_exists, view_exists=relation in present, watermark=watermark,
+        partition=_partition_option(ex, model, config, list(sources), watermark, sig, state_exists),
+        target=target,
+    )
+
+
+def _partition_option(ex: Executor, model, config: Config, sources: list[Source], watermark: Optional[Watermark],
+                      sig: str, state_exists: bool):
+    """partition.prepare for a refresh that may take the chain (a state with
+    a watermark of the same signature and some changed source); otherwise
+    the reason it cannot."""
+    if not config.partition_by:
+        return NOT_PARTITIONED
+    if not state_exists or watermark is None or watermark.signature != sig:
+        return Reason("PARTITION_NO_STATE", "the state is rebuilt whole")
+    changed = changed_sources(watermark, sources)
+    if not changed:
+        return Reason("NO_CHANGES", "no source changed since the last refresh")
+    return partition.prepare(ex, model, config.partition_by, sources, watermark, changed)
+
+
+class Measures:
+    """The facts that cost a Spark job, measured when the chain first asks
+    and kept: each changed source's rows changed and rows now
+    (``change_sizes``; the rows now are carried from watermark to watermark by
+    the commits' metrics, ``carry_rows``), the state's partition count
+    (``partition_total``, carried RECOUNT_AFTER refreshes). What was measured
+    goes into the watermark the refresh writes (``source_rows``,
+    ``partitions_known``)."""
+
+    def __init__(self, ex: Executor, state: str, facts: Facts, config: Config):
+        self.ex, self.state, self.facts = ex, state, facts
+        self.weighs_costs, self.partition_by = config.weighs_costs, config.partition_by
+        wm = facts.watermark
+        # Row counts the watermark recorded; carried forward.
+        self.rows = {canonical(s["physical"]): s.get("rows") for s in (wm.sources if wm else [])}
+        self.sized = False  # change_sizes or carry_rows ran: self.rows holds the new versions' counts
+        self.total: Optional[int] = None  # the changed sources' rows now, where all are known
+        self._before: Optional[tuple] = None  # (count, age) once partition_total knows them
+        self._carried: Optional[tuple] = None  # (count, age) the watermark carries
+        if wm is not None and wm.signature == facts.sig and wm.partitions is not None:
+            self._carried = (wm.partitions, wm.partitions_age)
+
+    def source_rows(self) -> Optional[dict]:
+        """Physical source -> rows now, for the watermark (None: not sized)."""
+        return dict(self.rows) if self.sized else None
+
+    def change_sizes(self) -> dict:
+        """(changed rows, rows now) of each changed source. The changed rows come
+        from the window's commit metrics (metadata, no Spark job); only where those
+        do not say is the change feed counted. Rows now matter for changes big
+        enough for ivm_full_threshold and, under the cost rule, for any change
+        (its slope per rebuilt row): the count the watermark recorded plus the
+        window's net rows from the same metrics, else counted (from Delta's file
+        statistics) and recorded for the next refresh."""
+        watermark, histories = self.facts.watermark, self.facts.histories
+        old = watermark.versions()
+        sizes: dict = {}
+        counts: dict = {}  # source name -> SQL of a scalar count
+        derived: dict = {}  # source name -> rows now, from the recorded count and the metrics
+        for s in self.facts.sources:
+            if old.get(s.physical) == s.version:
+                continue
+            lo, hi = int(old[s.physical]), int(s.version)
+            history = histories.get(s.physical) or []
+            if hi - lo > len(history):
+                _, history = history_head(self.ex, s.physical, depth=hi - lo)
+            estimate, net = window_estimate(history, lo, hi)
+            before = self.rows.get(s.physical)
+            derived[s.name] = before + net if before is not None and net is not None else None
+            if derived[s.name] is not None and derived[s.name] < 0:  # metrics we misread: count again
+                derived[s.name] = None
+            self.rows[s.physical] = derived[s.name]
+            if estimate is None:
+                counts[s.name] = exp.Subquery(this=select(exp.Count(this=exp.Star())).from_(
+                    table_changes(s.physical, lo + 1, hi)).where(
+                    exp.column("_change_type").neq(exp.Literal.string("update_preimage"))))
+            sizes[s.name] = [estimate, None, s]
+        if counts:  # one statement for all of them
+            row = self.ex.query(render(select(*counts.values())))[0]
+            for n, value in zip(counts, row):
+                sizes[n][0] = int(value)
+        # The cost rule weighs a change of any size against the rows rebuilt
+        # (decide.ROW_COST_FACTOR): the rows are counted once, then carried.
+        big = {n: v for n, v in sizes.items() if v[0] > SMALL_CHANGE or (self.weighs_costs and v[0])}
+        for n in list(big):
+            if derived.get(n) is not None:
+                sizes[n][1] = derived[n]
+                del big[n]
+        if big:
+            counts = [exp.Subquery(this=select(exp.Count(this=exp.Star())).from_(
+                at_version(v[2].physical, v[2].version))) for v in big.values()]
+            row = self.ex.query(render(select(*counts)))[0]
+            for n, value in zip(big, row):
+                sizes[n][1] = int(value)
+                self.rows[big[n][2].physical] = int(value)
+        self.sized = True
+        totals = [t if t is not None else derived.get(n) for n, (_, t, _) in sizes.items()]
+        self.total = sum(totals) if totals and None not in totals else None
+        return {n: (c, t) for n, (c, t, _) in sizes.items()}
+
+    def carry_rows(self) -> None:
+        """The sources' row counts the watermark recorded, carried to the new
+        versions by the window's net rows from the commit metrics already read
+        (no Spark job), for a refresh that did not size the change (a rebuild,
+        a partition refresh, a NOOP): else the next incremental refresh counts
+        them again (0.1-0.6 s at 1 M rows; docs/DESIGN.md §5). A count the
+        metrics cannot carry is dropped, and counted when next needed."""
+        old = self.facts.watermark.versions()
+        for s in self.facts.sources:
+            before = self.rows.get(s.physical)
+            if before is None or old.get(s.physical) is None or s.version is None:
+                self.rows[s.physical] = None
+                continue
+            lo, hi = int(old[s.physical]), int(s.version)
+            net = 0 if lo == hi else window_estimate(self.facts.histories.get(s.physical) or [], lo, hi)[1]
+            self.rows[s.physical] = before + net if net is not None and before + net >= 0 else None
+        self.sized = True
+
+    def partition_total(self, fresh: bool = False) -> Optional[int]:
+        """How many partitions the state holds before this refresh writes: the
+        count its watermark carries, counted anew (once) when none is, when it
+        is RECOUNT_AFTER refreshes old or when ``fresh`` is asked for."""
+        if fresh and self._before is not None and self._before[1] > 0:
+            self._before = None
+            self._carried = None
+        if self._before is None:
+            carried = self._carried
+            if carried is not None and carried[1] < RECOUNT_AFTER:
+                self._before = (carried[0], carried[1] + 1)
+            else:
+                self._before = (partition.count_partitions(self.ex, self.state, self.partition_by), 0)
+        return self._before[0]
+
+    def partition_age(self) -> int:
+        """How many refreshes old the count partition_total gave is (0: counted now)."""
+        return self._before[1] if self._before is not None else 0
+
+    def partitions_known(self) -> tuple:
+        """(count, age) for the watermark this refresh writes (Watermark.partitions)."""
+        known = self._before
+        if known is None and self._carried is not None:
+            known = (self._carried[0], self._carried[1] + 1)
+        return known if known is not None and known[0] is not None else (None, 0)
