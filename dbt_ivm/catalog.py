@@ -90,9 +90,9 @@ class Catalog:
                 longer = next((p for p in paths.values() if len(p) == depth and p[-len(path):] == path), None)
                 path = (longer[: depth - len(path)] if longer else [_UNNAMED] * (depth - len(path))) + path
             # every name quoted: sqlglot reads the keys as SQL identifiers
-            path = [names.ident(p) for p in path]
+            path = [names.ident_text(p) for p in path]
             node = out
             for part in path[:-1]:
                 node = node.setdefault(part, {})
-            node[path[-1]] = {names.ident(c): t for c, t in src.columns}
+            node[path[-1]] = {names.ident_text(c): t for c, t in src.columns}
         return out

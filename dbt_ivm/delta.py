@@ -14,7 +14,7 @@ incremental_mv's state table). The rules (DESIGN.md §3):
           is its own input);
 * union:  the union of the arms' deltas;
 * keyed:  an outer / semi / anti join, or a GROUP BY, DISTINCT or window below
-          the root (plan.Keyed), by affected-key recompute (_keyed_delta): the
+          the root (planner.Keyed), by affected-key recompute (_keyed_delta): the
           operator's rows for the keys the inputs' deltas touch, recomputed at
           the new versions, minus the same at the old — both from new snapshots.
 
@@ -341,7 +341,7 @@ def _render_keyed(node: Keyed, relations: list[exp.Query], weight: int = 1) -> e
     each of its rows weighing ``weight``."""
     select = node.select.copy()
     slots = [select.args["from_"]] + list(select.args.get("joins") or [])
-    if node.windowed:  # its item is read in the SELECT of its windows (plan._nest_windows)
+    if node.windowed:  # its item is read in the SELECT of its windows (planner._nest_windows)
         slots = [select.args["from_"].this.this.args["from_"]]
     for slot, (alias, _), rel in zip(slots, node.items, relations):
         slot.set("this", exp.Subquery(this=rel, alias=exp.TableAlias(this=exp.to_identifier(alias, quoted=True))))

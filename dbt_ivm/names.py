@@ -6,10 +6,10 @@ A **table name** travels through dbt-ivm as its canonical text: every part
 ``\\`db\\`.\\`t\\```. The text is valid Spark SQL as it stands, round-trips through
 ``table()`` whatever the parts hold (dots, backticks, comment markers, unicode),
 and is never split by hand. A **column name** is one identifier, quoted by
-``ident()``. A **value** (a string placed in SQL) is a literal rendered by
+``ident_text()``. A **value** (a string placed in SQL) is a literal rendered by
 ``string()``, or a back-quoted ``SET`` value rendered by ``set_value()``.
 
->>> ident("n.total"), ident("a`b")
+>>> ident_text("n.total"), ident_text("a`b")
 ('`n.total`', '`a``b`')
 >>> canonical("DB.T"), canonical("`a.b`.c"), canonical(["cat", "db", "t--x"])
 ('`db`.`t`', '`a.b`.`c`', '`cat`.`db`.`t--x`')
@@ -98,14 +98,14 @@ PREFIX = "__ivm_"
 TableRef = Union[str, Iterable[str], exp.Table]
 
 
-def ident(name: str) -> str:
+def ident_text(name: str) -> str:
     """One quoted identifier (a column, an alias, a CTE name)."""
     return exp.to_identifier(str(name), quoted=True).sql(dialect=DIALECT)
 
 
 def column(name: str, table: str | None = None) -> str:
     """A column reference, optionally qualified by a table alias (one identifier)."""
-    return f"{ident(table)}.{ident(name)}" if table else ident(name)
+    return f"{ident_text(table)}.{ident_text(name)}" if table else ident_text(name)
 
 
 def string(value: str) -> str:
@@ -161,11 +161,11 @@ def display(ref: TableRef) -> str:
     >>> display("`analytics`.`orders`"), display(["db", "t--x"])
     ('analytics.orders', 'db.`t--x`')
     """
-    return ".".join(p if p.replace("_", "a").isalnum() and p.isascii() else ident(p) for p in parts(ref))
+    return ".".join(p if p.replace("_", "a").isalnum() and p.isascii() else ident_text(p) for p in parts(ref))
 
 
 def namespace(ref: TableRef) -> str:
     """The canonical text of the schema (with its catalog) holding ``ref``; ''
     for a bare table name."""
     names = parts(ref)[:-1]
-    return ".".join(ident(n) for n in names)
+    return ".".join(ident_text(n) for n in names)

@@ -16,7 +16,7 @@ import random
 import sys
 
 from dbt_ivm.catalog import Catalog, Source
-from dbt_ivm.names import ident
+from dbt_ivm.names import ident_text
 
 # (table, columns): the names users really have, and the ones that break naive quoting
 TABLES = {
@@ -58,7 +58,7 @@ class Gen:
     def alias(self) -> str:
         self.n += 1
         if self.chance(0.3):
-            return ident(self.pick(HOSTILE_ALIASES) + str(self.n))
+            return ident_text(self.pick(HOSTILE_ALIASES) + str(self.n))
         return f"x{self.n}"
 
     # ------------------------------------------------------------------ relations
@@ -75,7 +75,7 @@ class Gen:
             return f"({sql})", cols
         if ctes and roll < 0.45:
             name = self.pick(list(ctes))
-            return ident(name) if self.chance(0.5) else name, ctes[name]
+            return ident_text(name) if self.chance(0.5) else name, ctes[name]
         name, cols = self.table()
         if self.chance(0.05):
             return f"({name})", cols
@@ -99,7 +99,7 @@ class Gen:
         sometimes null-safe or without any equality (a range, an inequality)."""
         def ref(pair):
             a, c = pair
-            return f"{a if '`' in a else ident(a)}.{ident(c)}"
+            return f"{a if '`' in a else ident_text(a)}.{ident_text(c)}"
 
         l, r = ref(self.pick(left)), ref(self.pick(right))
         roll = self.r.random() if self.trees or not self.simple else 1.0
@@ -141,7 +141,7 @@ class Gen:
 
     def col(self, cols) -> str:
         a, c = self.pick(cols)
-        return f"{a}.{ident(c)}" if self.chance(0.7) else ident(c)
+        return f"{a}.{ident_text(c)}" if self.chance(0.7) else ident_text(c)
 
     def literal(self) -> str:
         if self.chance(0.5):

@@ -13,7 +13,7 @@ from typing import Optional
 from dbt_ivm import apply
 from dbt_ivm.catalog import DELTA, LAYERED, MV, OTHER, Source
 from dbt_ivm.config import APPEND
-from dbt_ivm.names import canonical, ident, namespace, parts, string
+from dbt_ivm.names import canonical, ident_text, namespace, parts, string
 from dbt_ivm.plan import BAG
 from dbt_ivm.executor import Executor
 from dbt_ivm.refresh.log import commit_stamps, history_head
@@ -175,7 +175,7 @@ def delta_partition_changes(ex: Executor, table: str, partitions: tuple, lo: int
             location = dict(zip(_DETAIL, ex.query(f"DESCRIBE DETAIL {canonical(table)}")[0]))["location"]
             files = ",".join(f"{v:020d}" for v in range(lo + 1, hi + 1))
             texts = [r[0] for r in ex.query(
-                f"SELECT value FROM text.{ident(f'{location}/_delta_log/{{{files}}}.json')}")]
+                f"SELECT value FROM text.{ident_text(f'{location}/_delta_log/{{{files}}}.json')}")]
         except Exception:  # noqa: BLE001 - a commit file is gone, a path the server cannot read
             return None
     return commit_partitions(texts, partitions)

@@ -13,7 +13,7 @@ partitions changed, and replace exactly those in one commit.
    overwrite would leave a partition whose rows all vanished untouched). The
    filter on the model's column reaches the source scans through Spark's
    predicate pushdown (projections, GROUP BY keys, window PARTITION BY keys —
-   plan._nest_windows names a window's columns above it, and
+   planner._nest_windows names a window's columns above it, and
    _project_partition_keys computes its keys below it — equi-joins), so only
    those source partitions are read (test_partition checks the scans).
 """

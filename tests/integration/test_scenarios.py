@@ -44,8 +44,8 @@ pytestmark = pytest.mark.spark
 CASES_DIR = Path(__file__).resolve().parents[1] / "scenarios" / "cases"
 
 # Features the incremental engine does not maintain yet (they fall back to FULL).
-# Outer, semi and anti joins, EXISTS / IN and HAVING are maintained since the
-# thirteenth session (affected-key recompute, plan.Keyed).
+# Outer, semi and anti joins, EXISTS / IN and HAVING are maintained (affected-key
+# recompute, planner.Keyed).
 FALLBACK_FEATURES: set = set()
 
 
