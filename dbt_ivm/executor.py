@@ -9,18 +9,19 @@ this one, so every capability is declared here and called directly."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Optional
 
 
-class Executor:
+class Executor(ABC):
     # Where the refresh history rows go: a history.Pending that the owner
     # flushes (the adapter: once per dbt invocation); None: appended to the
     # history table by each refresh.
     history: Optional[Any] = None
 
+    @abstractmethod
     def query(self, sql: str) -> list[tuple]:
-        """Run one SQL statement; its rows."""
-        raise NotImplementedError
+        """Run one SQL statement; its rows (every executor runs SQL)."""
 
     def session_conf(self, confs: dict, reset: bool = False) -> bool:
         """Set (``reset``: unset) Spark session confs without SQL; False: not
