@@ -8,6 +8,8 @@ recompute, so the last bits may differ.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from sqlglot import exp
 
 from dbt_ivm.apply import pinned_query
@@ -21,7 +23,7 @@ SIDE = "ivm_side"
 MISSING, EXTRA = "missing_from_mv", "extra_in_mv"
 
 
-def consistency_sql(watermark, relation: str, tolerance: float = TOLERANCE) -> str:
+def consistency_sql(watermark, relation: str, tolerance: float = TOLERANCE, columns: Optional[dict] = None) -> str:
     """Rows present in one side and not the other, each tagged with ``ivm_side``.
 
     >>> from dbt_ivm.refresh import Watermark
@@ -32,12 +34,15 @@ def consistency_sql(watermark, relation: str, tolerance: float = TOLERANCE) -> s
     WITH `__ivm_expected` AS (SELECT a FROM db.t VERSION AS OF 3), `__ivm_actual` AS (SELECT `a` FROM `db`.`mv`) SELECT 'missing_from_mv' AS `ivm_side`, * FROM (SELECT * FROM `__ivm_expected` EXCEPT ALL SELECT * FROM `__ivm_actual`)
     UNION ALL SELECT 'extra_in_mv' AS `ivm_side`, * FROM (SELECT * FROM `__ivm_actual` EXCEPT ALL SELECT * FROM `__ivm_expected`)
     """
-    expected = pinned_query(watermark.sql, watermark.source_objects(), watermark.versions())
-    columns = list(watermark.columns)
+    # Where the view is a projection of the state's definition (Watermark.view_sql),
+    # the model's SQL now is what the view must equal; ``columns``: the view's.
+    expected = pinned_query(watermark.view_sql or watermark.sql, watermark.source_objects(), watermark.versions())
+    types = dict(columns) if watermark.view_sql and columns else dict(watermark.columns)
+    columns = list(types)
     # CTE names of our own (reserved prefix): the model's SQL may name its CTEs anything
     exp_, act, pairs_ = f"{PREFIX}expected", f"{PREFIX}actual", f"{PREFIX}pairs"
     ctes = [(exp_, expected), (act, select(*(col(c) for c in columns)).from_(table(relation)))]
-    floats = [c for c, t in watermark.columns.items() if t.lower() in ("float", "double")]
+    floats = [c for c, t in types.items() if t.lower() in ("float", "double")]
     if not floats:
         def missing(tag: str, a: str, b: str) -> exp.Select:
             rows = exp.Except(this=select(exp.Star()).from_(named(a)), expression=select(exp.Star()).from_(named(b)),

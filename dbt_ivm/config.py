@@ -28,6 +28,7 @@ DELETION_VECTORS = ("auto", "true", "false")
 MERGE, APPEND = "merge", "append"
 LAYOUTS = ("auto", MERGE, APPEND)
 COST_RULE = ("auto", "off")
+ON_CHANGE = ("apply", "continue", "fail")
 DEFAULT_THRESHOLD = 0.5
 DEFAULT_PARTITION_THRESHOLD = 0.5
 
@@ -37,6 +38,9 @@ AUTO_BYTES = 2 << 20
 
 # The keys a model sets, each with the Config field it fills and what it accepts.
 KEYS = {
+    "on_configuration_change": ("on_change", "apply (rebuild where the definition changed), continue (keep the "
+                                             "relation as built and refresh it under the definition it was built "
+                                             "with, warning), fail (fail the model, naming what changed)"),
     "ivm_policy": ("policy", ", ".join(POLICIES)),
     "ivm_full_threshold": ("full_threshold", "a number in (0, 1]: the fraction of a source's rows that may change "
                                              "before ivm_policy='auto' rebuilds instead of refreshing incrementally"),
@@ -54,19 +58,31 @@ KEYS = {
     "ivm_history": ("history", "true (a row per refresh in <target schema>.ivm_refresh_history), false, or the "
                                "name of the history table"),
     "partition_by": ("partition_by", "a column name or a list of column names of the model"),
+    "tblproperties": ("properties", "a mapping of table property names to values, set on the state table (Delta "
+                                    "properties such as delta.logRetentionDuration; not the change feed's or "
+                                    "deletion vectors', which ivm_change_feed and ivm_deletion_vectors set)"),
 }
+
+# Properties dbt-ivm sets itself: a model's tblproperties may not name them.
+_OWN_PROPERTIES = {"delta.enablechangedatafeed": "ivm_change_feed", "delta.enabledeletionvectors": "ivm_deletion_vectors",
+                   "delta.columnmapping.mode": None}
+
+# The materializations dbt-ivm maintains: its own, and dbt's name for a
+# materialized view (the same materialization: what dbt users type for one).
+MATERIALIZATIONS = ("incremental_mv", "materialized_view")
 
 # Set by the materialization from the dbt graph and the target, not by users.
 INTERNAL = {"ivm_mv_dependents": "mv_dependents", "ivm_target_schema": "target_schema",
             "ivm_invocation_id": "invocation_id"}
 
-_CHOICES = ("ivm_policy", "ivm_change_feed", "ivm_deletion_vectors", "ivm_state_layout", "ivm_cost_rule")
+_CHOICES = ("on_configuration_change", "ivm_policy", "ivm_change_feed", "ivm_deletion_vectors", "ivm_state_layout", "ivm_cost_rule")
 
 
 @dataclass(frozen=True)
 class Config:
     """A model's checked configs (see KEYS for what each accepts)."""
 
+    on_change: str = "apply"
     policy: str = "auto"
     full_threshold: float = DEFAULT_THRESHOLD
     partition_threshold: float = DEFAULT_PARTITION_THRESHOLD
@@ -76,6 +92,7 @@ class Config:
     deletion_vectors: str = "auto"
     history: Union[bool, str] = True
     partition_by: tuple = ()
+    properties: tuple = ()  # ((name, value), ...) sorted: the model's tblproperties
     mv_dependents: bool = False
     target_schema: Optional[str] = None
     invocation_id: Optional[str] = None
@@ -114,6 +131,7 @@ class Config:
             return value.strip().lower()
 
         return cls(
+            on_change=_on_change(config.get("on_configuration_change"), bad),
             policy=choice("ivm_policy", POLICIES, booleans=False),
             full_threshold=_threshold(config.get("ivm_full_threshold"), bad),
             partition_threshold=_threshold(config.get("ivm_partition_threshold"), bad,
@@ -124,6 +142,7 @@ class Config:
             deletion_vectors=choice("ivm_deletion_vectors", DELETION_VECTORS, booleans=True),
             history=_history(config.get("ivm_history"), bad),
             partition_by=tuple(_columns(config.get("partition_by"), bad)),
+            properties=_properties(config.get("tblproperties"), bad, where),
             mv_dependents=bool(config.get("ivm_mv_dependents")),
             target_schema=config.get("ivm_target_schema"),
             invocation_id=config.get("ivm_invocation_id"),
@@ -135,6 +154,7 @@ class Config:
         out = {key: fields[field] for key, (field, _) in KEYS.items()}
         out.update({key: fields[field] for key, field in INTERNAL.items()})
         out["partition_by"] = list(self.partition_by)
+        out["tblproperties"] = dict(self.properties)
         return out
 
     @property
@@ -150,6 +170,16 @@ def validate_config(config: dict, model: Optional[str] = None, given: Iterable[s
     'full'
     """
     return Config.of(config, model, given).as_dict()
+
+
+def _on_change(value, bad) -> str:
+    """dbt's on_configuration_change (its default: apply); dbt may hand in its own enum of it."""
+    if value is None:
+        return "apply"
+    text = str(getattr(value, "value", value)).strip().lower()
+    if text not in ON_CHANGE:
+        raise bad("on_configuration_change")
+    return text
 
 
 def _history(value, bad):
@@ -174,6 +204,26 @@ def _columns(value, bad) -> list:
     if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in values):
         raise bad("partition_by")
     return [v.strip().strip("`").lower() for v in values]
+
+
+def _properties(value, bad, where: str) -> tuple:
+    """dbt-spark's tblproperties: a mapping of names to scalar values (held as
+    text, as Delta stores them); the properties dbt-ivm sets itself refused."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.strip() for k in value) \
+            or not all(isinstance(v, (str, int, float, bool)) for v in value.values()):
+        raise bad("tblproperties")
+    out = {}
+    for key, v in value.items():
+        key = key.strip()
+        lowered = key.lower()
+        if lowered.startswith("dbt_ivm.") or lowered in _OWN_PROPERTIES:
+            instead = _OWN_PROPERTIES.get(lowered)
+            raise IvmConfigError(f"Invalid tblproperties provided{where}: {key} is set by dbt-ivm itself"
+                                 + (f"; set the config {instead} instead." if instead else "; remove it."))
+        out[key] = ("true" if v else "false") if isinstance(v, bool) else str(v)
+    return tuple(sorted(out.items()))
 
 
 def _cost_rule(value, bad) -> str:

@@ -9,6 +9,10 @@ class IvmError(Exception):
     """Base class of every error dbt-ivm raises on purpose."""
 
 
+class DefinitionChanged(IvmError):
+    """A model's definition changed under on_configuration_change 'fail'."""
+
+
 class IvmConfigError(IvmError):
     """The model's configuration or SQL is invalid: nothing is written."""
 

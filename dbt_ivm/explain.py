@@ -33,6 +33,7 @@ from sqlglot.optimizer.scope import traverse_scope
 
 from dbt_ivm import apply, budget, delta
 from dbt_ivm.catalog import DELTA, MV, Catalog, Source
+from dbt_ivm.config import MATERIALIZATIONS
 from dbt_ivm.errors import IvmError, UnsupportedQuery
 from dbt_ivm.names import canonical, display
 from dbt_ivm.model import Model
@@ -146,7 +147,7 @@ def explain_node(node: dict, manifest: dict, catalog_json: dict, explained: dict
     nodes, sources = manifest.get("nodes", {}), manifest.get("sources", {})
     config = node.get("config") or {}
     upstream = [d for d in (node.get("depends_on") or {}).get("nodes") or []
-                if (nodes.get(d) or {}).get("config", {}).get("materialized") == "incremental_mv"]
+                if (nodes.get(d) or {}).get("config", {}).get("materialized") in MATERIALIZATIONS]
     out: dict = {"model": node.get("name"), "unique_id": node.get("unique_id"),
                  "relation": node.get("relation_name"), "upstream_incremental_mvs": [nodes[u]["name"] for u in upstream],
                  "assumptions": []}
@@ -305,7 +306,7 @@ def explain_project(project_dir: str, profiles_dir: Optional[str], select: list[
         chosen = {json.loads(line)["unique_id"] for line in res.result or []}
     nodes = manifest.get("nodes", {})
     mvs = [uid for uid, n in nodes.items() if n.get("resource_type") == "model"
-           and (n.get("config") or {}).get("materialized") == "incremental_mv"]
+           and (n.get("config") or {}).get("materialized") in MATERIALIZATIONS]
     explained: dict = {}
     for uid in _topological(mvs, nodes):
         explained[uid] = explain_node(nodes[uid], manifest, catalog_json, explained)

@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from sqlglot import exp
+from sqlglot.optimizer.scope import traverse_scope
 
 from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.model import Model
 from dbt_ivm.names import DIALECT, PREFIX
-from dbt_ivm.parse import qualified
+from dbt_ivm.errors import IvmError, UnsupportedQuery
+from dbt_ivm.parse import qualified, table_name
 from dbt_ivm.planner import Node, has_aggregate, in_window, node_of
 from dbt_ivm.subqueries import decorrelate
 from dbt_ivm.support import known_sources, output_columns, require_query, root_decomposable, structure, supported
@@ -205,20 +207,59 @@ def _aggregate_plan(query: exp.Select, columns: list[str], catalog: Catalog, cte
 # --------------------------------------------------------------------------- signature
 
 
-def signature(model: Union[str, Model], sources: list[Source]) -> str:
+def columns_read(model: Union[str, Model], sources: list[Source]) -> Optional[dict]:
+    """Source name -> the lower-cased names of its columns the model reads
+    anywhere (a ``*`` resolved to the columns it stands for); None where the
+    model's columns do not resolve against the sources (the model is then
+    taken to read every column).
+
+    >>> src = Source("db.t", (("a", "int"), ("b", "int"), ("c", "int")))
+    >>> columns_read("select a, sum(b) as s from db.t group by a", [src])
+    {'`db`.`t`': ['a', 'b']}
+    >>> columns_read("select * from db.t where c > 0", [src])
+    {'`db`.`t`': ['a', 'b', 'c']}
+    """
+    catalog = Catalog({s.name: s for s in sources})
+    try:
+        query = qualified(Model.of(model).tree, catalog)
+    except (UnsupportedQuery, IvmError):
+        return None
+    read: dict = {s.name: set() for s in sources}
+    for scope in traverse_scope(query):
+        for column in scope.columns:
+            relation = scope.sources.get(column.table)
+            if isinstance(relation, exp.Table) and table_name(relation) in read:
+                read[table_name(relation)].add(column.name.lower())
+    return {name: sorted(cols) for name, cols in read.items()}
+
+
+def signature(model: Union[str, Model], sources: list[Source], every_column: bool = False) -> str:
     """Fingerprint of what the state depends on: the model's query (as sqlglot writes
     it: layout and comments do not count, every character of a literal or a
-    name does), the sources' schemas and kinds, and the compiler version. A
-    change means the state must be rebuilt.
+    name does), the name and type of each source column it reads (a column
+    it does not read may come, go or change type: the state does not depend
+    on it), the sources' kinds, and the compiler version. A change means the
+    state must be rebuilt. ``every_column``: the form dbt-ivm stored before
+    it read only the columns read (every column of every source; see
+    refresh.measure.migrated).
 
     >>> signature("select 'a  b' as x from t", []) == signature("select 'a b' as x from t", [])
     False
     >>> signature("select 'a' as x  from t -- note", []) == signature("select 'a' as x from t", [])
     True
+    >>> wide, wider = Source("db.t", (("a", "int"), ("b", "int"))), Source("db.t", (("a", "int"), ("b", "bigint")))
+    >>> signature("select a from db.t", [wide]) == signature("select a from db.t", [wider])
+    True
+    >>> signature("select b from db.t", [wide]) == signature("select b from db.t", [wider])
+    False
     """
+    model = Model.of(model)
+    read = None if every_column else columns_read(model, sources)
     payload = {
         "compiler": COMPILER_VERSION,
-        "sql": Model.of(model).tree.sql(dialect=DIALECT, comments=False),
-        "sources": [[s.name, s.kind, s.multiplicity, list(map(list, s.columns))] for s in sources],
+        "sql": model.tree.sql(dialect=DIALECT, comments=False),
+        "sources": [[s.name, s.kind, s.multiplicity,
+                     [list(c) for c in s.columns if read is None or c[0].lower() in read.get(s.name, ())]]
+                    for s in sources],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

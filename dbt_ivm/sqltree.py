@@ -171,10 +171,24 @@ def create_table(target: names.TableRef, query: exp.Query, props: dict, partitio
                       properties=exp.Properties(expressions=found + _properties(props)))
 
 
-def create_view(target: names.TableRef, query: exp.Query, props: dict) -> exp.Create:
-    """``CREATE OR REPLACE VIEW target TBLPROPERTIES (props) AS query``."""
-    return exp.Create(this=table(target), kind="VIEW", replace=True, expression=query,
-                      properties=exp.Properties(expressions=_properties(props)))
+def create_view(target: names.TableRef, query: exp.Query, props: dict, comment: Optional[str] = None,
+                column_comments: Optional[list] = None) -> exp.Create:
+    """``CREATE OR REPLACE VIEW target [(column [COMMENT '…'], …)] [COMMENT '…']
+    TBLPROPERTIES (props) AS query``; ``column_comments``: (column, comment or
+    None) of every column of the query, in order, when any has a comment.
+
+    >>> render(create_view("db.v", select(alias(col("a"), "a")), {}, "the view", [("a", "the a")]))
+    "CREATE OR REPLACE VIEW `db`.`v` (`a` COMMENT 'the a') COMMENT 'the view' AS SELECT `a` AS `a`"
+    """
+    this = table(target)
+    if column_comments:
+        this = exp.Schema(this=this, expressions=[
+            exp.ColumnDef(this=ident(c), constraints=[exp.ColumnConstraint(
+                kind=exp.CommentColumnConstraint(this=string(text)))]) if text else ident(c)
+            for c, text in column_comments])
+    described = [exp.SchemaCommentProperty(this=string(comment))] if comment else []
+    return exp.Create(this=this, kind="VIEW", replace=True, expression=query,
+                      properties=exp.Properties(expressions=described + _properties(props)))
 
 
 def cache_table(name: str, query: exp.Query, lazy: bool) -> exp.Cache:
@@ -192,6 +206,17 @@ def set_properties(target: names.TableRef, props: dict) -> exp.Alter:
     """``ALTER TABLE target SET TBLPROPERTIES (props)``."""
     return exp.Alter(this=table(target), kind="TABLE", actions=[
         exp.AlterSet(expressions=[exp.Properties(expressions=_properties(props))])])
+
+
+def unset_properties(target: names.TableRef, keys: Iterable[str]) -> exp.Command:
+    """``ALTER TABLE target UNSET TBLPROPERTIES IF EXISTS (keys)`` (sqlglot
+    has no node for it: a command whose table and literals sqlglot renders).
+
+    >>> print(render(unset_properties("db.t", ["a.b", "it's"])))
+    ALTER TABLE `db`.`t` UNSET TBLPROPERTIES IF EXISTS ('a.b', 'it\\'s')
+    """
+    keys = ", ".join(render(string(k)) for k in keys)
+    return exp.Command(this="ALTER", expression=f"TABLE {render(table(target))} UNSET TBLPROPERTIES IF EXISTS ({keys})")
 
 
 def at_version(ref: names.TableRef, version: Optional[int]) -> exp.Table:

@@ -8,13 +8,15 @@ measures on demand what the steps ask (tests hand in a fake)."""
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from dbt_ivm import apply
 from dbt_ivm.config import APPEND, MERGE, Config
-from dbt_ivm.errors import IvmConfigError, IvmError, Reason
+from dbt_ivm.errors import DefinitionChanged, IvmConfigError, IvmError, Reason
 from dbt_ivm.plan import AGGREGATE, BAG, Plan
 from dbt_ivm.refresh.context import Choice, Facts, Settings
+from dbt_ivm.refresh.definition import FAIL_HINT, differences, in_place
 from dbt_ivm.refresh.decide import cheapest, decide, estimates, partition_floor, too_large
 from dbt_ivm.refresh.values import _REBUILD_REASONS, FULL, INCREMENTAL, NOOP, PARTITION, Decision
 from dbt_ivm.refresh.watermark import Watermark
@@ -43,11 +45,34 @@ BAG_APPEND_AUTO_BYTES = 16 << 20
 DV_AUTO_BYTES = 2 << 20
 
 
+# Errors meaning the change feed or an old snapshot of the window is gone.
+_MISSING_HISTORY = re.compile(
+    r"DELTA_MISSING_CHANGE_DATA|DELTA_CHANGE_DATA_FILE_NOT_FOUND|DELTA_CHANGE_TABLE_FEED_DISABLED"
+    r"|DELTA_FILE_NOT_FOUND|DELTA_LOG_FILE_NOT_FOUND|DELTA_VERSIONS_NOT_CONTIGUOUS"
+    r"|DELTA_CANNOT_TIME_TRAVEL|DELTA_VERSION_NOT_FOUND|VersionNotFoundException|FileNotFoundException"
+)
+
+
+# ... or that Delta will not read the feed across a schema change of the window
+# (a column renamed or dropped under column mapping).
+_SCHEMA_CHANGED = re.compile(r"DELTA_CHANGE_DATA_FEED_INCOMPATIBLE_(?:SCHEMA_CHANGE|DATA_SCHEMA)")
+
+
 def cdf_unavailable(e: BaseException) -> Reason:
+    if _SCHEMA_CHANGED.search(str(e)):
+        return Reason(
+            "SOURCE_SCHEMA_CHANGED", f"Delta cannot read the change data feed across a schema change of the "
+            f"window (a column renamed or dropped): {str(e)[:200]}", "nothing: the next refresh is incremental again")
     return Reason(
         "CDF_UNAVAILABLE", f"the change data feed does not cover the window: {str(e)[:200]}",
         "keep delta.enableChangeDataFeed on and refresh more often than the feed's retention "
         "(for an incremental_mv read by a model outside this dbt project, set ivm_change_feed: true on it)")
+
+
+def feed_unreadable(e: BaseException) -> bool:
+    """The error says the window's change feed cannot be read (gone, or across
+    a schema change): the refresh falls back, nothing having been written."""
+    return bool(_MISSING_HISTORY.search(str(e)) or _SCHEMA_CHANGED.search(str(e)))
 
 
 def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation: str = "") -> Choice:
@@ -63,6 +88,9 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
         partition=part if isinstance(part, Reason) else None,
         kind=plan.kind if plan else None,
     )
+    warnings: list = []
+    if decision.reason is not None and decision.reason.code == "PLAN_SIGNATURE_MISMATCH":
+        decision = redefined(decision, facts, config, relation)
     # The state's own change feed costs every write ~30 %; it is kept only for
     # readers of it: incremental_mv models built on this one.
     change_feed = config.change_feed == "true" or (config.change_feed == "auto" and config.mv_dependents)
@@ -101,8 +129,17 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
     # re-creates the view, which only the incremental path does).
     layout = settle_layout(config, plan, watermark, incr)
     if decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and layout != APPEND:
-        decision = Decision(FULL, Reason(
-            "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
+        change = f"ivm_state_layout is {config.state_layout}, no longer append (the state is kept as appended layers)"
+        if config.on_change == "fail":
+            raise DefinitionChanged(f"on_configuration_change is 'fail' and the configuration of {relation} "
+                                    f"changed since it was built: {change}. {FAIL_HINT}")
+        if config.on_change == "continue":
+            layout = APPEND
+            warnings.append(f"on_configuration_change is 'continue': {change}; it keeps its layout "
+                            "(dbt run --full-refresh rebuilds it under the new one)")
+        else:
+            decision = Decision(FULL, Reason(
+                "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
     elif decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and config.partition_by \
             and plan is not None and plan.kind == AGGREGATE and not watermark.keyed_layers:
         decision = Decision(FULL, Reason(
@@ -113,8 +150,24 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
     return Choice(
         decision=decision, settings=Settings(layout, dvs, change_feed),
         estimates=estimated, sizes=sizes, changes=changes,
-        source_rows=measures.source_rows(), partitions=measures.partitions_known(),
+        source_rows=measures.source_rows(), partitions=measures.partitions_known(), warnings=tuple(warnings),
     )
+
+
+def redefined(decision: Decision, facts: Facts, config: Config, relation: str) -> Decision:
+    """A state built under another definition than the model's now
+    (PLAN_SIGNATURE_MISMATCH): under on_configuration_change 'fail' an error
+    naming what changed, otherwise the rebuild with that named."""
+    changed = "; ".join(differences(facts.watermark, facts.model, list(facts.sources), config.partition_by))
+    if config.on_change == "fail":
+        raise DefinitionChanged(f"on_configuration_change is 'fail' and the definition of {relation} changed since "
+                                f"it was built: {changed}. {FAIL_HINT}")
+    why_not = in_place(facts.watermark, facts.model, config)
+    if isinstance(why_not, Reason):
+        changed += f" (not applied in place: {why_not.detail})"
+    return Decision(FULL, Reason("PLAN_SIGNATURE_MISMATCH", f"the definition changed since the last build: {changed}",
+                                 "on_configuration_change: fail stops such a rebuild; continue keeps the model "
+                                 "as built"), decision.skipped)
 
 
 def fallback(part, reason: Reason, skipped: tuple, config: Config) -> Decision:

@@ -7,6 +7,7 @@ a Context; nothing here decides."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 from typing import Optional
@@ -17,12 +18,14 @@ from dbt_ivm.errors import IvmError, Reason
 from dbt_ivm.names import set_value
 from dbt_ivm.plan import BAG, Plan
 from dbt_ivm.refresh.context import Context, Written
-from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE
+from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, PROP_VIEW
 from dbt_ivm.executor import Executor
 from dbt_ivm.refresh.log import describe_history, user_metadata
-from dbt_ivm.refresh.values import INCREMENTAL, PARTITION, Decision
+from dbt_ivm.refresh.values import INCREMENTAL, NOOP, PARTITION, Decision
 from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, read_watermark
-from dbt_ivm.sqltree import create_view as create_view_statement, render, set_properties as set_properties_statement
+from dbt_ivm.projection import SOURCE
+from dbt_ivm.sqltree import aliased, create_view as create_view_statement, render, select
+from dbt_ivm.sqltree import set_properties as set_properties_statement, unset_properties
 
 
 def digest(text: str) -> str:
@@ -78,25 +81,37 @@ def my_commit(ctx: Context) -> Optional[tuple]:
 
 
 def state_properties(ctx: Context) -> dict:
-    """The Delta properties the state table should have."""
+    """The properties the state table should have: its Delta settings' and the model's tblproperties."""
     return {
         "delta.enableChangeDataFeed": "true" if ctx.settings.change_feed else "false",
         "delta.enableDeletionVectors": "true" if ctx.settings.deletion_vectors else "false",
+        **dict(ctx.config.properties),
     }
 
 
 def set_properties(ctx: Context, old: Optional[Watermark]) -> bool:
     """Set the state table's properties that differ from what the last
-    watermark recorded (a metadata-only commit, made before the refresh's one
-    write; harmless when repeated). Whether any was set."""
+    watermark recorded, and unset the model's tblproperties it no longer
+    declares (metadata-only commits, made before the refresh's one write;
+    harmless when repeated). Whether any changed."""
     had = {} if old is None else {  # unrecorded: what the state tables of older versions had
         "delta.enableChangeDataFeed": "false" if old.change_feed is False else "true",
         "delta.enableDeletionVectors": "true" if old.deletion_vectors else "false",
+        **(old.properties or {}),
     }
     wanted = {k: v for k, v in state_properties(ctx).items() if had.get(k) != v}
+    gone = properties_gone(ctx, old)
     if wanted:
         ctx.ex.query(render(set_properties_statement(ctx.state, wanted)))
-    return bool(wanted)
+    if gone:
+        ctx.ex.query(render(unset_properties(ctx.state, gone)))
+    return bool(wanted or gone)
+
+
+def properties_gone(ctx: Context, old: Optional[Watermark]) -> list:
+    """The model's tblproperties the last watermark recorded and the model no longer declares."""
+    declared = dict(ctx.config.properties)
+    return sorted(k for k in ((old.properties or {}) if old is not None else {}) if k not in declared)
 
 
 def view_statement(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict) -> str:
@@ -104,8 +119,13 @@ def view_statement(ctx: Context, plan: Optional[Plan], kind: str, columns: list,
     the append layout); its properties tell readers where the state is."""
     layout = ctx.settings.layout
     folded = apply.folded_state(plan, ctx.state, types) if layout == APPEND else None
-    return render(create_view_statement(ctx.relation, apply.view_query(kind, columns, ctx.state, folded),
-                              {PROP_STATE: ctx.state, PROP_KIND: kind, PROP_LAYOUT: layout}))
+    query = apply.view_query(kind, columns, ctx.state, folded)
+    if ctx.view is not None:  # a projection of the state's definition (definition.View)
+        query = select(*(item.copy() for item in ctx.view.items)).from_(aliased(query, SOURCE))
+        columns = [item.alias for item in ctx.view.items]
+    return render(create_view_statement(ctx.relation, query,
+                                        {PROP_STATE: ctx.state, PROP_KIND: kind, PROP_LAYOUT: layout},
+                                        ctx.docs.relation, ctx.docs.column_comments(columns)))
 
 
 def view_key(statement: str, types: dict) -> str:
@@ -118,6 +138,45 @@ def create_view(ctx: Context, plan: Optional[Plan], kind: str, columns: list, ty
     statement = view_statement(ctx, plan, kind, columns, types)
     ctx.ex.query(statement)
     return view_key(statement, types)
+
+
+def view_in_step(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict) -> Optional[str]:
+    """Re-create the model's view where its statement is not the one the
+    watermark recorded (persist_docs' descriptions changed): its new key, or
+    None when it is in step. Statements are compared by key, no query."""
+    statement = view_statement(ctx, plan, kind, columns, types)
+    key = view_key(statement, types)
+    if ctx.watermark is not None and ctx.watermark.view == key and ctx.facts.view_exists:
+        return None
+    ctx.ex.query(statement)
+    return key
+
+
+def restate(ctx: Context) -> bool:
+    """For a refresh that writes no row (NOOP): the view put in step
+    (view_in_step) and the model's tblproperties set on the state; where
+    either changed, a metadata-only commit of the state carries the
+    watermark recording them (a property change), so the next refresh finds
+    them in step. Whether anything changed."""
+    old = ctx.watermark
+    if old is None or not old.columns:
+        return False
+    kind = ctx.plan.kind if ctx.plan is not None else old.kind
+    columns = ctx.plan.columns if ctx.plan is not None else list(old.columns)
+    key = view_in_step(ctx, ctx.plan, kind, columns, old.typed())
+    declared = dict(ctx.config.properties)
+    wanted = {k: v for k, v in declared.items() if (old.properties or {}).get(k) != v}
+    gone = properties_gone(ctx, old)
+    if key is None and not wanted and not gone:
+        return False
+    wm = dataclasses.replace(old, view=key or old.view, run=ctx.run_id, started=ctx.started, strategy=NOOP,
+                             reason="VIEW_REDEFINED" if key else "PROPERTIES_CHANGED", settled=True,
+                             view_sql=ctx.view.sql if ctx.view is not None else "", properties=declared)
+    if gone:
+        ctx.ex.query(render(unset_properties(ctx.state, gone)))
+    with session_confs(ctx.ex, {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json()}):
+        ctx.ex.query(render(set_properties_statement(ctx.state, {**wanted, PROP_VIEW: wm.view})))
+    return True
 
 
 def watermark(ctx: Context, decision: Decision, sig: str, types: dict, sums: dict,
@@ -144,7 +203,8 @@ def watermark(ctx: Context, decision: Decision, sig: str, types: dict, sums: dic
         keyed_layers=True, changes=choice.changes if decision.strategy == INCREMENTAL else None,
         view=written.view_key if written.view_key is not None else (old.view if old else ""),
         replaced=written.replaced if decision.strategy == PARTITION else None,
-        partitions=count, partitions_age=age,
+        view_sql=ctx.view.sql if ctx.view is not None else "",
+        properties=dict(ctx.config.properties), partitions=count, partitions_age=age,
     )
 
 

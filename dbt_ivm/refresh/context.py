@@ -22,6 +22,7 @@ from dbt_ivm.config import Config
 from dbt_ivm.errors import Reason, UnsupportedQuery
 from dbt_ivm.plan import Plan
 from dbt_ivm.executor import Executor
+from dbt_ivm.refresh.definition import View
 from dbt_ivm.refresh.values import NOOP, Decision
 from dbt_ivm.refresh.watermark import Watermark
 from dbt_ivm.versions import Target
@@ -68,6 +69,28 @@ class Choice:
     changes: Optional[int] = None  # changed source rows (an INCREMENTAL decision's)
     source_rows: Optional[Mapping[str, Optional[int]]] = None  # physical -> rows now (None: not sized)
     partitions: tuple = (None, 0)  # (the state's partitions before this refresh, refreshes since counted)
+    warnings: tuple = ()  # said as warnings (on_configuration_change: continue)
+
+
+@dataclass(frozen=True)
+class Docs:
+    """What dbt's persist_docs puts on the model's view: the model's
+    description, its columns' (lower-cased name -> description)."""
+
+    relation: Optional[str] = None
+    columns: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, docs: Optional[dict]) -> "Docs":
+        """From the materialization's {relation, columns} (None: nothing persisted)."""
+        docs = docs or {}
+        columns = {str(k).lower(): str(v) for k, v in (docs.get("columns") or {}).items() if v}
+        return cls(relation=docs.get("relation") or None, columns=columns)
+
+    def column_comments(self, columns: list) -> Optional[list]:
+        """(column, its description or None) of each column, or None when none has one."""
+        found = [(c, self.columns.get(c.lower())) for c in columns]
+        return found if any(text for _, text in found) else None
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,8 @@ class Context:
     config: Config
     facts: Facts
     choice: Choice
+    docs: Docs = Docs()
+    view: Optional[View] = None  # the model's view as a projection of the state's definition
 
     @property
     def plan(self) -> Optional[Plan]:
@@ -134,6 +159,7 @@ class Outcome:
     changed_sources: list = field(default_factory=list)
     strategy: Optional[str] = None
     reason: Optional[Reason] = None
+    redefined: bool = False  # the view was re-created over the state as it is (its definition changed)
 
     def noop(self, code: str, message: str) -> "Outcome":
         self.strategy, self.reason = NOOP, Reason(code, message)

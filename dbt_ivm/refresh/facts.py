@@ -12,7 +12,7 @@ from typing import Optional
 
 from dbt_ivm import apply
 from dbt_ivm.catalog import DELTA, LAYERED, MV, OTHER, Source
-from dbt_ivm.config import APPEND
+from dbt_ivm.config import APPEND, MATERIALIZATIONS
 from dbt_ivm.names import canonical, ident_text, namespace, parts, string
 from dbt_ivm.plan import BAG
 from dbt_ivm.executor import Executor
@@ -30,6 +30,11 @@ PROP_KIND = "dbt_ivm.kind"
 
 
 PROP_LAYOUT = "dbt_ivm.layout"
+
+
+# On the state table: the key of the view statement its newest metadata-only
+# commit put in step (commit.restate; the watermark records it too).
+PROP_VIEW = "dbt_ivm.view"
 
 
 _PROPS_RE = re.compile(r"([^=,\[\]\s][^=,\[\]]*)=([^,\]]*)")
@@ -244,7 +249,7 @@ def has_mv_readers(nodes: dict, unique_id: str) -> bool:
     todo, seen = [unique_id], {unique_id}
     while todo:
         for nid, materialized in readers.get(todo.pop(), []):
-            if materialized == "incremental_mv":
+            if materialized in MATERIALIZATIONS:
                 return True
             if materialized == "ephemeral" and nid not in seen:
                 seen.add(nid)

@@ -152,8 +152,9 @@ def merge(ctx: Context, shared: _Pieces, window: Window, out: Outcome, change: O
     consolidated = watermark.units and plan.kind == BAG and consolidate(ctx)
     shared.cache()
     settled = commit.set_properties(ctx, watermark)
+    key = commit.view_in_step(ctx, plan, plan.kind, plan.columns, watermark.typed())
     wm = commit.watermark(ctx, Decision(INCREMENTAL), watermark.signature, watermark.columns, watermark.sums,
-                          Written(recomputed=recompute, settled=settled))
+                          Written(recomputed=recompute, settled=settled or key is not None, view_key=key))
     # Our MERGE source is small but expensive (deltas joined with snapshots):
     # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
     with commit.committing(ctx, wm, watermark.commit_version,
@@ -173,6 +174,7 @@ def merge(ctx: Context, shared: _Pieces, window: Window, out: Outcome, change: O
         out.rows["recomputed_groups"] = recompute
     if consolidated:
         out.rows["consolidated"] = 1
+    out.redefined = key is not None
     if watermark.dv_merges + 1 >= COMPACT_AFTER:
         compact(ctx, out)
     return out
@@ -205,12 +207,11 @@ def append_layer(ctx: Context, shared: _Pieces, window: Window, out: Outcome) ->
         return out
     shared.cache()
     settled = commit.set_properties(ctx, watermark)
-    key = None
-    if watermark.layout != APPEND:
-        # The folding view first: it reads a state without layers the same
-        # as the plain one, so the model is right whatever happens next.
-        key = commit.create_view(ctx, plan, plan.kind, plan.columns, types)
-        settled = True
+    # The folding view first (a state switching to layers): it reads a state
+    # without layers the same as the plain one, so the model is right
+    # whatever happens next.
+    key = commit.view_in_step(ctx, plan, plan.kind, plan.columns, types)
+    settled = settled or key is not None
     wm = commit.watermark(ctx, Decision(INCREMENTAL), watermark.signature, watermark.columns, watermark.sums,
                           Written(settled=settled, view_key=key))
     with commit.committing(ctx, wm, watermark.commit_version):
@@ -224,6 +225,7 @@ def append_layer(ctx: Context, shared: _Pieces, window: Window, out: Outcome) ->
         return out.noop("ALREADY_APPLIED", "a concurrent refresh already applied this change")
     appended = int(str(op_metrics(mine).get("numOutputRows") or 0).strip('"'))
     out.rows = {"appended": appended}
+    out.redefined = key is not None
     layers = watermark.layers if watermark.layout == APPEND else Layers()
     if fold_due(layers, appended):
         fold(ctx, types, out, layers, int(mine[0]))

@@ -6,6 +6,7 @@ partition count) and kept for the rest of the refresh."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Optional
 
@@ -15,7 +16,8 @@ from dbt_ivm import budget
 from dbt_ivm.catalog import Catalog, Source
 from dbt_ivm.config import Config
 from dbt_ivm.delta import table_changes
-from dbt_ivm.errors import Reason, UnsupportedQuery
+from dbt_ivm.errors import IvmError, Reason, UnsupportedQuery
+from dbt_ivm.model import Model
 from dbt_ivm.names import canonical
 from dbt_ivm.plan import build_plan, signature
 from dbt_ivm.refresh import partition
@@ -39,10 +41,20 @@ from dbt_ivm.sqltree import at_version, render, select
 RECOUNT_AFTER = 10
 
 
-def gather(ex: Executor, model, relation: str, state: str, config: Config) -> Facts:
-    """The facts of one refresh of ``model`` (dbt_ivm.model.Model) into
-    ``relation`` and its ``state``: catalog reads and the state's history,
-    no job over data (except partition.prepare's log reads)."""
+def read_state(ex: Executor, relation: str, state: str) -> tuple[bool, bool, Optional[Watermark]]:
+    """(the state table exists, the model's view exists, the state's watermark)."""
+    present = relations_present(ex, [state, relation])
+    state_exists = state in present
+    watermark = read_watermark(ex, state)[1] if state_exists else None
+    return state_exists, relation in present, watermark
+
+
+def gather(ex: Executor, model, config: Config, state: tuple[bool, bool, Optional[Watermark]]) -> Facts:
+    """The facts of one refresh of ``model`` (dbt_ivm.model.Model) under
+    ``config``, beside what ``read_state`` found: catalog reads and the
+    sources' histories, no job over data (except partition.prepare's log
+    reads)."""
+    state_exists, view_exists, watermark = state
     histories: dict = {}
     sources = tuple(describe_source(ex, n, histories) for n in model.tables)
     catalog = Catalog({s.name: s for s in sources})
@@ -51,18 +63,39 @@ def gather(ex: Executor, model, relation: str, state: str, config: Config) -> Fa
         plan, unsupported = budget.check(build_plan(model, catalog, target)), None
     except UnsupportedQuery as u:
         plan, unsupported = None, u
-    sig = signature(model, list(sources))
-    if config.partition_by:  # the state's partitioning is part of what it holds
-        sig = digest(sig + json.dumps(list(config.partition_by)))
-    present = relations_present(ex, [state, relation])
-    state_exists = state in present
-    watermark = read_watermark(ex, state)[1] if state_exists else None
+    sig = _with_partitioning(signature(model, list(sources)), config.partition_by)
+    if watermark is not None and watermark.signature != sig:
+        watermark = migrated(watermark)
     return Facts(
         model=model, sources=sources, histories=histories, plan=plan, unsupported=unsupported, sig=sig,
-        state_exists=state_exists, view_exists=relation in present, watermark=watermark,
+        state_exists=state_exists, view_exists=view_exists, watermark=watermark,
         partition=_partition_option(ex, model, config, list(sources), watermark, sig, state_exists),
         target=target,
     )
+
+
+def _with_partitioning(sig: str, partition_by) -> str:
+    """The state's partitioning is part of what it holds."""
+    return digest(sig + json.dumps(list(partition_by))) if partition_by else sig
+
+
+def migrated(watermark: Watermark) -> Watermark:
+    """A watermark whose signature an earlier dbt-ivm computed over every
+    column of every source (plan.signature's ``every_column``) with the
+    signature of the same definition over the columns it reads: recomputed
+    from the SQL and the source schemas the watermark recorded, so an upgrade
+    rebuilds no model whose definition did not change. Any other watermark
+    as it is."""
+    try:
+        stored = Model.of(watermark.sql)
+    except IvmError:
+        return watermark
+    sources = watermark.source_objects()
+    legacy = _with_partitioning(signature(stored, sources, every_column=True), watermark.partition_by)
+    if legacy != watermark.signature:
+        return watermark
+    return dataclasses.replace(
+        watermark, signature=_with_partitioning(signature(stored, sources), watermark.partition_by))
 
 
 def _partition_option(ex: Executor, model, config: Config, sources: list[Source], watermark: Optional[Watermark],

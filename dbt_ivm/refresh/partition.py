@@ -136,12 +136,14 @@ def run(ctx: Context) -> Outcome:
     types, sums = dict(watermark.columns), dict(watermark.sums)
     pinned = apply.pinned_query(ctx.facts.model, sources, ctx.versions())
     where = change.predicate(types[change.column])
-    body, kind, _ = state_body(ctx.plan, sources, types, sums, pinned)
+    body, kind, columns = state_body(ctx.plan, sources, types, sums, pinned)
     rows = select(exp.Star()).from_(aliased(body, f"{PREFIX}p")).where(where.copy())
     statement = render(insert(ctx.state, rows, replace_where=where))
     settled = commit.set_properties(ctx, watermark)
+    key = commit.view_in_step(ctx, ctx.plan, kind, columns, watermark.typed())
     wm = commit.watermark(ctx, Decision(PARTITION, ctx.decision.reason), watermark.signature, watermark.columns,
-                          watermark.sums, Written(units=kind == BAG, settled=settled, replaced=len(change.values)))
+                          watermark.sums, Written(units=kind == BAG, settled=settled or key is not None,
+                                                  replaced=len(change.values), view_key=key))
     with commit.committing(ctx, wm, watermark.commit_version):
         failpoint("before_commit", ctx.relation)
         ctx.ex.query(statement)
@@ -149,6 +151,7 @@ def run(ctx: Context) -> Outcome:
     mine = commit.my_commit(ctx)
     if mine is None:
         return out.noop("ALREADY_APPLIED", "a concurrent refresh already applied this change")
+    out.redefined = key is not None
     m = op_metrics(mine)
     for key, name in (("numOutputRows", "inserted"), ("numDeletedRows", "deleted"),
                       ("numRemovedFiles", "files_removed"), ("numAddedFiles", "files_added")):

@@ -16,18 +16,17 @@ connection, tests a fake.
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 import uuid
-from typing import Union
+from typing import Optional, Union
 
 from dbt_ivm.config import Config
 from dbt_ivm.model import Model
 from dbt_ivm.names import canonical
-from dbt_ivm.refresh import chain, commit, full, history, incremental, partition
-from dbt_ivm.refresh.context import Context, Outcome
+from dbt_ivm.refresh import chain, commit, definition, full, history, incremental, partition
+from dbt_ivm.refresh.context import Context, Docs, Outcome
 from dbt_ivm.executor import Executor
-from dbt_ivm.refresh.measure import Measures, gather
+from dbt_ivm.refresh.measure import Measures, gather, read_state
 from dbt_ivm.refresh.values import CREATE, FULL, INCREMENTAL, NOOP, PARTITION, Result
 from dbt_ivm.refresh.watermark import delta_conflict, state_name
 
@@ -36,37 +35,38 @@ from dbt_ivm.refresh.watermark import delta_conflict, state_name
 BROADCAST_ROWS = 500_000
 
 
-# Errors meaning the change feed or an old snapshot of the window is gone.
-_MISSING_HISTORY = re.compile(
-    r"DELTA_MISSING_CHANGE_DATA|DELTA_CHANGE_DATA_FILE_NOT_FOUND|DELTA_CHANGE_TABLE_FEED_DISABLED"
-    r"|DELTA_FILE_NOT_FOUND|DELTA_LOG_FILE_NOT_FOUND|DELTA_VERSIONS_NOT_CONTIGUOUS"
-    r"|DELTA_CANNOT_TIME_TRAVEL|DELTA_VERSION_NOT_FOUND|VersionNotFoundException|FileNotFoundException"
-)
-
-
 def refresh(ex: Executor, model: Union[str, Model], relation: str, config: Union[dict, Config],
-            full_refresh: bool) -> Result:
+            full_refresh: bool, docs: Optional[dict] = None) -> Result:
     """Refresh ``relation`` (an incremental_mv) from its ``model`` (its SQL,
-    or a parsed dbt_ivm.model.Model) under ``config``; returns what ran and why."""
+    or a parsed dbt_ivm.model.Model) under ``config``; ``docs``: what
+    persist_docs puts on its view ({relation, columns}, context.Docs).
+    Returns what ran and why."""
     started = time.time()
     config = Config.of(config)
     model = Model.of(model)
     relation = canonical(relation)
     state = state_name(relation)
     phases: dict = {}
-    facts = gather(ex, model, relation, state, config)
-    phases["facts"] = round(time.time() - started, 3)
-    measures = Measures(ex, state, facts, config)
-    choice = chain.choose(facts, config, full_refresh, measures, relation)
-    phases["decide"] = round(time.time() - started - sum(phases.values()), 3)
+    found = read_state(ex, relation, state)
+    chosen = definition.effective(model, config, found[2], full_refresh, relation)
+    facts, choice = _decided(ex, chosen, found, state, relation, full_refresh, phases, started)
+    if chosen.view is not None and choice.decision.strategy == FULL:
+        # A rebuild anyway (a source column the state's definition reads
+        # changed, the cost rule): under the model's definition now, not a
+        # projection of the old one.
+        chosen = definition.Definition(model, config)
+        facts, choice = _decided(ex, chosen, found, state, relation, full_refresh, phases, started)
+    model, config = chosen.model, chosen.config
     ctx = Context(ex=ex, relation=relation, state=state, run_id=uuid.uuid4().hex, started=started, config=config,
-                  facts=facts, choice=choice)
+                  facts=facts, choice=choice, docs=Docs.of(docs), view=chosen.view)
     decision = choice.decision
-    result = Result(decision.strategy, decision.reason, skipped=list(decision.skipped))
+    result = Result(decision.strategy, decision.reason, skipped=list(decision.skipped),
+                    warnings=list(chosen.warnings) + list(choice.warnings))
     result.estimates = {k: round(v[0], 2) for k, v in choice.estimates.items()}
     result.sizes = {n: c for n, (c, _) in choice.sizes.items()}
     try:
         ctx = _apply(ctx, result)
+        _said(ctx, result)
     except Exception as e:
         conflict = delta_conflict(e) if facts.state_exists else None
         if conflict is None:
@@ -81,6 +81,16 @@ def refresh(ex: Executor, model: Union[str, Model], relation: str, config: Union
     return result
 
 
+def _decided(ex: Executor, chosen, found: tuple, state: str, relation: str, full_refresh: bool, phases: dict,
+             started: float) -> tuple:
+    """(Facts, Choice) of the definition ``chosen``; the phases' seconds added up."""
+    facts = gather(ex, chosen.model, chosen.config, found)
+    phases["facts"] = round(phases.get("facts", 0) + time.time() - started - sum(phases.values()), 3)
+    choice = chain.choose(facts, chosen.config, full_refresh, Measures(ex, state, facts, chosen.config), relation)
+    phases["decide"] = round(phases.get("decide", 0) + time.time() - started - sum(phases.values()), 3)
+    return facts, choice
+
+
 def _apply(ctx: Context, result: Result) -> Context:
     """Run the decided strategy (falling back where the change feed turns out
     gone) and fold its outcome into ``result``; returns the context it ran in."""
@@ -92,7 +102,7 @@ def _apply(ctx: Context, result: Result) -> Context:
         except Exception as e:
             # The window's change files or old snapshot are gone (VACUUM, log
             # cleanup): nothing was written; rebuild instead, unless told not to.
-            if not _MISSING_HISTORY.search(str(e)):
+            if not chain.feed_unreadable(e):
                 raise
             decision = chain.fallback(ctx.facts.partition, chain.cdf_unavailable(e), decision.skipped, ctx.config)
             chain.allowed(decision, ctx.config, ctx.relation, e)
@@ -105,12 +115,37 @@ def _apply(ctx: Context, result: Result) -> Context:
         if ctx.partition_by:
             outcome.rows["partitions"] = partition.count_partitions(ctx.ex, ctx.state, ctx.partition_by)
         return _report(ctx, outcome, result)
+    if decision.strategy == NOOP and ctx.facts.state_exists and commit.restate(ctx):
+        result.applied = "ALTER"
     return ctx
+
+
+# Rebuilds for a changed definition: dbt's REPLACE of a materialized view.
+_REPLACED = ("FULL_REFRESH", "PLAN_SIGNATURE_MISMATCH", "STATE_LAYOUT_CHANGED")
+
+
+def _said(ctx: Context, result: Result) -> None:
+    """How a changed definition was applied (Result.applied), and a note
+    where the model's view became a projection of its state."""
+    if result.strategy == FULL and result.reason is not None and result.reason.code in _REPLACED:
+        result.applied = "REPLACE"
+    elif result.warnings and ctx.config.on_change == "continue":
+        result.applied = "CONTINUE"
+    before = ctx.watermark.view_sql if ctx.watermark is not None else ""
+    if ctx.view is not None and before != ctx.view.sql:
+        result.notes.append("applied in place: only the model's select list changed, so its view now reads "
+                            "it from the state as it is (no rebuild)")
+    props = definition.properties_changed(ctx.watermark, ctx.config) if ctx.watermark is not None else ""
+    if props and result.applied != "REPLACE":
+        result.applied = "ALTER"
+        result.notes.append(f"applied in place: {props} set on {ctx.state} (no rebuild)")
 
 
 def _report(ctx: Context, outcome: Outcome, result: Result) -> Context:
     result.rows.update(outcome.rows)
     result.notes.extend(outcome.notes)
+    if outcome.redefined:
+        result.applied = "ALTER"
     if outcome.changed_sources:
         result.changed_sources = list(outcome.changed_sources)
     if outcome.strategy is not None:

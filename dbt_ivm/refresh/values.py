@@ -46,6 +46,11 @@ class Result:
     phases: dict = field(default_factory=dict)  # seconds per phase
     estimates: dict = field(default_factory=dict)  # strategy -> seconds the cost rule estimated (decide.estimates)
     run_id: str = ""  # the refresh's id (Context.run_id)
+    warnings: list = field(default_factory=list)  # logged as warnings by the adapter
+    # How a changed definition was applied, in dbt's words for a materialized view:
+    # REPLACE (rebuilt), ALTER (the view redefined over the state as it is),
+    # CONTINUE (kept as built: on_configuration_change 'continue'); None: unchanged.
+    applied: Optional[str] = None
 
     def message(self) -> str:
         parts = [self.strategy]

@@ -66,6 +66,8 @@ class Watermark:
     settled: bool = False  # its refresh first changed the state's properties or layout (one-off work: see measured_costs)
     units: bool = False  # its rebuild wrote a plain-row state's rows as they came: under the merge layout one may
     # repeat, and the next MERGE consolidates them first (incremental.consolidate)
+    view_sql: str = ""  # the model's SQL where its view is a projection of the state's (definition.View)
+    properties: Optional[dict] = None  # the model's tblproperties set on the state (None: written before they were)
     keyed_layers: bool = False  # written by a dbt-ivm whose aggregate layers carry their visible key columns
     # (apply.append_statement): a partitioned state's layer rows sit in their groups' partitions
 

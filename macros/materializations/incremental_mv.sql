@@ -5,6 +5,15 @@
   strategy — CREATE, NOOP, INCREMENTAL, FULL — runs it, and reports why.
 -#}
 {% materialization incremental_mv, adapter='spark_ivm' %}
+  {{ return(ivm_materialize()) }}
+{% endmaterialization %}
+
+{#- dbt's name for a materialized view: the same materialization. -#}
+{% materialization materialized_view, adapter='spark_ivm' %}
+  {{ return(ivm_materialize()) }}
+{% endmaterialization %}
+
+{% macro ivm_materialize() %}
 
   {#-- Validate config first: nothing runs on a bad config. An incremental_mv of
        this project reading this one (directly or through ephemeral models) reads
@@ -46,16 +55,30 @@
     {%- do adapter.drop_relation(existing_relation) -%}
   {%- endif -%}
 
+  {#-- persist_docs: the model's and its columns' descriptions go on the view --#}
+  {%- set ivm_docs = {'relation': none, 'columns': {}} -%}
+  {%- if config.persist_relation_docs() and model.description -%}
+    {%- do ivm_docs.update({'relation': model.description}) -%}
+  {%- endif -%}
+  {%- if config.persist_column_docs() -%}
+    {%- for name, column in (model.columns or {}).items() if column.description -%}
+      {%- do ivm_docs['columns'].update({name: column.description}) -%}
+    {%- endfor -%}
+  {%- endif -%}
+
   {#-- Plan and apply the refresh; the response carries the strategy and the reason --#}
-  {%- set response = adapter.ivm_refresh(sql, target_relation, ivm_config, should_full_refresh()) -%}
+  {%- set response = adapter.ivm_refresh(sql, target_relation, ivm_config, should_full_refresh(), ivm_docs) -%}
   {%- do store_result('main', response=response) -%}
 
   {{ run_hooks(post_hooks) }}
 
-  {%- set should_revoke = should_revoke(existing_relation, full_refresh_mode=True) -%}
-  {%- do apply_grants(target_relation, grant_config, should_revoke=should_revoke) -%}
-  {%- do persist_docs(target_relation, model) -%}
+  {#-- Open-source Spark has no GRANT (nor SHOW GRANTS): grants are said, not applied.
+       The descriptions are on the view already (persist_docs above). --#}
+  {%- if grant_config -%}
+    {%- do exceptions.warn("incremental_mv " ~ model.name ~ ": grants are not applied: open-source Spark has "
+          ~ "no GRANT statement (use your catalog's access control, e.g. Unity Catalog or Ranger).") -%}
+  {%- endif -%}
 
   {{ return({'relations': [target_relation]}) }}
 
-{% endmaterialization %}
+{% endmacro %}

@@ -96,7 +96,11 @@ def test_signature_changes_with_sql_and_schema():
     p2 = build_plan(filtered, CATALOG)
     wider = Catalog({"db.a": Source("db.a", (("i", "int"), ("j", "int"), ("d", "double"), ("e", "int")))})
     p3 = build_plan(plain, wider)
-    assert len({signature(plain, p1.sources), signature(filtered, p2.sources), signature(plain, p3.sources)}) == 3
+    widened = Catalog({"db.a": Source("db.a", (("i", "bigint"), ("j", "int"), ("d", "double")))})
+    p4 = build_plan(plain, widened)
+    assert len({signature(plain, p1.sources), signature(filtered, p2.sources), signature(plain, p4.sources)}) == 3
+    # a column the model does not read (e, added) does not count; one it reads (i, widened) does
+    assert signature(plain, p3.sources) == signature(plain, p1.sources)
 
 
 def test_aggregate_plan_dedupes_identical_calls():

@@ -3,7 +3,7 @@
 import pytest
 
 from dbt_ivm.catalog import DELTA, OTHER, Source
-from dbt_ivm.errors import IvmConfigError, Reason
+from dbt_ivm.errors import IvmConfigError, IvmError, Reason
 from dbt_ivm.executor import Executor
 from dbt_ivm.refresh import (
     CREATE, FULL, INCREMENTAL, NOOP, Watermark, decide,
@@ -333,7 +333,7 @@ class _RanOut(_Recorder):
 def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, groups, expected):
     from dbt_ivm.catalog import Catalog
     from dbt_ivm.plan import build_plan
-    from dbt_ivm.refresh import incremental
+    from dbt_ivm.refresh import commit, incremental
     from tests.unit.contexts import context
 
     src = Source("db.a", (("i", "int"), ("j", "int")), kind=DELTA, version=6, cdf=True)
@@ -343,7 +343,10 @@ def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, gro
                     [{"name": "db.a", "kind": "delta", "physical": "db.a", "multiplicity": None,
                       "columns": [["i", "int"], ["j", "int"]], "version": 5}], recomputed=last_recomputed)
     ex = _RanOut(groups)
-    out = incremental.run(context(ex, sql_text, watermark=old, plan=plan, sources=[src]), broadcast=True)
+    ctx = context(ex, sql_text, watermark=old, plan=plan, sources=[src])
+    types = old.typed()  # the view as the build made it: in step, not re-created
+    old.view = commit.view_key(commit.view_statement(ctx, plan, plan.kind, plan.columns, types), types)
+    out = incremental.run(ctx, broadcast=True)
     steps = [s.split()[0] for s in ex.sql if not s.startswith(("SET ", "RESET ", "ALTER TABLE"))]
     assert steps == expected
     assert out.rows.get("recomputed_groups") == (groups or None)
@@ -713,3 +716,147 @@ def test_a_refresh_losing_a_race_is_told_from_other_errors(text, conflict):
     from dbt_ivm.refresh.watermark import delta_conflict
 
     assert delta_conflict(RuntimeError(text)) == conflict
+
+
+def test_a_signature_over_every_column_is_migrated_to_the_columns_read():
+    """A watermark an earlier dbt-ivm wrote (its signature over every column
+    of every source) is recognised from the SQL and schemas it recorded and
+    given the signature over the columns read: the upgrade rebuilds nothing;
+    a column the model does not read may then come and go."""
+    from dbt_ivm.plan import signature
+    from dbt_ivm.refresh.measure import migrated
+
+    sql_text = "select k, sum(v) as t from db.a group by k"
+    cols = [["k", "int"], ["v", "int"], ["z", "string"]]
+    old = Watermark("x", "aggregate", sql_text, {"k": "int", "t": "bigint"},
+                    [{"name": "`db`.`a`", "kind": "delta", "physical": "`db`.`a`", "multiplicity": None,
+                      "columns": cols, "version": 5}])
+    stored = old.source_objects()
+    old.signature = signature(sql_text, stored, every_column=True)
+    assert migrated(old).signature == signature(sql_text, stored) != old.signature
+    added = [Source("`db`.`a`", (("k", "int"), ("v", "int"), ("z", "string"), ("y", "int")), kind=DELTA)]
+    assert signature(sql_text, added) == migrated(old).signature  # a column it does not read: same
+    widened = [Source("`db`.`a`", (("k", "int"), ("v", "bigint"), ("z", "string")), kind=DELTA)]
+    assert signature(sql_text, widened) != migrated(old).signature  # one it reads: rebuilt
+    old.signature = "0123456789abcdef"  # not a legacy signature of what it recorded: left alone
+    assert migrated(old).signature == "0123456789abcdef"
+
+
+def _redefined(on_change, sql_now="select k, sum(v) as t from db.a group by k", cols_now=(("k", "int"), ("v", "int"))):
+    from dbt_ivm.config import Config
+    from dbt_ivm.plan import signature
+    from dbt_ivm.refresh.chain import redefined
+    from dbt_ivm.refresh.values import Decision
+    from tests.unit.contexts import facts
+
+    built = "select k, sum(v) as t from db.a group by k"
+    old = Watermark("x", "aggregate", built, {"k": "int", "t": "bigint"},
+                    [{"name": "`db`.`a`", "kind": "delta", "physical": "`db`.`a`", "multiplicity": None,
+                      "columns": [["k", "int"], ["v", "int"]], "version": 5}])
+    old.signature = signature(built, old.source_objects())
+    now = [Source("`db`.`a`", cols_now, kind=DELTA, version=6)]
+    why = Reason("PLAN_SIGNATURE_MISMATCH", "x")
+    return redefined(Decision(FULL, why), facts(sql_now, old, sources=now), Config.of({"on_configuration_change": on_change}), "`db`.`m`")
+
+
+def test_a_changed_definition_is_named_and_fails_under_fail():
+    """PLAN_SIGNATURE_MISMATCH names what changed (the SQL, a column read
+    and its types); on_configuration_change: fail makes it an error naming
+    it, before anything is written."""
+    d = _redefined("apply", cols_now=(("k", "int"), ("v", "bigint")))
+    assert d.strategy == FULL and "source db.a: column v is bigint (was int)" in d.reason.detail
+    d = _redefined("apply", sql_now="select k, max(v) as t from db.a group by k")
+    assert d.reason.detail == ("the definition changed since the last build: the model's SQL (not applied in "
+                               "place: column t reads what the state does not keep: MAX(v))")
+    with pytest.raises(IvmError, match=r"on_configuration_change is 'fail'.*the model's SQL.*--full-refresh"):
+        _redefined("fail", sql_now="select k, max(v) as t from db.a group by k")
+    with pytest.raises(IvmConfigError, match="on_configuration_change"):
+        _redefined("sometimes")
+
+
+def test_continue_refreshes_under_the_definition_it_was_built_with():
+    from dbt_ivm.config import Config
+    from dbt_ivm.model import Model
+    from dbt_ivm.refresh.definition import Definition, effective
+
+    built = "select k, sum(v) as t from db.a group by k"
+    old = Watermark("x", "aggregate", built, {}, [], partition_by=["k"])
+    changed = Model.of("select k, sum(v) as total from db.a group by k")
+    keep = Config.of({"on_configuration_change": "continue", "partition_by": "k"})
+    d = effective(changed, keep, old, False)
+    assert d.model.sql == built and d.config.partition_by == ("k",) and "the model's SQL" in d.warnings[0]
+    d = effective(changed, Config.of({"on_configuration_change": "continue"}), old, False)
+    assert d.model.sql == built and d.config.partition_by == ("k",) and "partition_by (k → none)" in d.warnings[0]
+    assert effective(changed, keep, old, True).model is changed  # --full-refresh: the new definition
+    same = Model.of("select k, sum(v) as t   from db.a group by k -- a comment")
+    assert effective(same, keep, old, False) == Definition(same, keep)  # layout and comments are not a change
+
+
+def test_tblproperties_are_checked_and_their_changes_named_per_on_configuration_change():
+    from dbt_ivm.config import Config
+    from dbt_ivm.model import Model
+    from dbt_ivm.refresh.definition import effective, properties_changed
+
+    config = Config.of({"tblproperties": {"b.x": 2, "a.y": True}})
+    assert config.properties == (("a.y", "true"), ("b.x", "2")) and config.as_dict()["tblproperties"] == {"a.y": "true", "b.x": "2"}
+    for bad, said in (({"delta.enableChangeDataFeed": "true"}, "set the config ivm_change_feed instead"),
+                      ({"dbt_ivm.state": "x"}, "set by dbt-ivm itself; remove it"),
+                      (["a"], "Invalid tblproperties provided"), ({"a": [1]}, "Invalid tblproperties provided")):
+        with pytest.raises(IvmConfigError, match=said):
+            Config.of({"tblproperties": bad}, model="m")
+
+    built = "select k, sum(v) as t from db.a group by k"
+    model = Model.of(built)
+    old = Watermark("x", "aggregate", built, {}, [], properties={"a.y": "false", "c.z": "1"})
+    assert properties_changed(old, config) == "tblproperties (a.y = 'true' (was 'false'), b.x = '2' (new), c.z removed)"
+    assert properties_changed(Watermark("x", "aggregate", built, {}, []), config) == ""  # unrecorded: just set
+    assert effective(model, config, old, False).config is config  # apply: set in place
+    kept = effective(model, Config.of({"tblproperties": {"a.y": 1}, "on_configuration_change": "continue"}), old, False)
+    assert dict(kept.config.properties) == old.properties and "tblproperties (a.y" in kept.warnings[0]
+    with pytest.raises(IvmError, match=r"'fail'.*tblproperties \(a\.y = '1' \(was 'false'\), c\.z removed\)"):
+        effective(model, Config.of({"tblproperties": {"a.y": 1}, "on_configuration_change": "fail"}), old, False)
+    assert effective(model, Config.of({"on_configuration_change": "fail"}), old, True).config.properties == ()
+
+
+def test_a_changed_select_list_is_applied_in_place():
+    """on_configuration_change 'apply': a model whose select list alone
+    changed keeps the state's definition; its view is a projection of it."""
+    from dbt_ivm.config import Config
+    from dbt_ivm.model import Model
+    from dbt_ivm.refresh.definition import effective
+    from dbt_ivm.sqltree import render
+
+    built = "select k, sum(v) as t, count(*) as n from db.a group by k"
+    old = Watermark("x", "aggregate", built, {}, [], partition_by=["k"])
+    renamed = Model.of("select sum(v) / count(*) as mean, k as key from db.a group by k")
+    d = effective(renamed, Config.of({"partition_by": "k"}), old, False)
+    assert d.model.sql == built and d.view.sql == renamed.sql
+    assert [render(i) for i in d.view.items] == ["`__ivm_v`.`t` / `__ivm_v`.`n` AS `mean`", "`__ivm_v`.`k` AS `key`"]
+    for other in ("select k, sum(v) as t from db.a where v > 0 group by k",  # more than the select list
+                  "select k, sum(v) as t, count(*) as n from db.a group by k, v",
+                  "select k, max(v) as top from db.a group by k"):  # what the state does not keep
+        assert effective(Model.of(other), Config.of({"partition_by": "k"}), old, False).model.sql == other
+    assert effective(renamed, Config.of({}), old, False).view is None  # partition_by changed: rebuilt
+
+
+def test_the_view_carries_the_descriptions_and_follows_them():
+    """persist_docs: the model's and its columns' descriptions are comments of
+    the view; a changed description re-creates the view (its key differs from
+    the one the watermark recorded), an unchanged one does not."""
+    from dbt_ivm.refresh import commit
+    from dbt_ivm.refresh.context import Docs
+    from tests.unit.contexts import context
+
+    plan = _plan(SUMS)
+    old = wm()
+    docs = Docs.of({"relation": "Sums by i", "columns": {"S": "the sum of v", "n": ""}})
+    ctx = context(_Recorder(), SUMS, watermark=old, plan=plan)
+    ctx = type(ctx)(**{**ctx.__dict__, "docs": docs})
+    types = {"i": "int", "s": "bigint", "n": "bigint", "a": "double"}
+    statement = commit.view_statement(ctx, plan, plan.kind, plan.columns, types)
+    assert "(`i`, `s` COMMENT 'the sum of v', `n`, `a`) COMMENT 'Sums by i'" in statement
+    key = commit.view_in_step(ctx, plan, plan.kind, plan.columns, types)
+    assert key is not None and ctx.ex.sql == [statement]  # the watermark recorded another view
+    old.view = key
+    assert commit.view_in_step(ctx, plan, plan.kind, plan.columns, types) is None and len(ctx.ex.sql) == 1
+    assert Docs.of(None).column_comments(["i"]) is None

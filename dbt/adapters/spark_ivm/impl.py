@@ -37,6 +37,7 @@ class IvmAdapterResponse(AdapterResponse):
     phases: Optional[dict] = None  # seconds per phase of the refresh
     run_id: Optional[str] = None  # the refresh's id: its row of the history table, its watermark's run
     estimates: Optional[dict] = None  # strategy -> seconds the cost rule estimated, beside ``seconds``
+    warnings: Optional[list] = None  # what was also logged as a warning (on_configuration_change: continue)
 
 
 class _Executor(Executor):
@@ -190,6 +191,26 @@ class SparkIvmAdapter(SparkAdapter):
             return self.__dict__["_ivm_history"]
 
     @available
+    def ivm_leave(self, relation: Any) -> Optional[str]:
+        """Drop the state table an incremental_mv kept beside ``relation``,
+        now built by another materialization; the state's name, or None when
+        there is none (a table of that name without a dbt-ivm watermark is
+        not ours, and is left alone)."""
+        from dbt_ivm.names import display
+        from dbt_ivm.refresh import read_watermark, state_name
+        from dbt_ivm.refresh.facts import relations_present
+        from dbt_ivm.sqltree import drop_table, render
+
+        ex = _Executor(self)
+        state = state_name(_relation_name(relation))
+        if state not in relations_present(ex, [state]) or read_watermark(ex, state)[1] is None:
+            return None
+        ex.query(render(drop_table(state)))
+        logger.info(f"{display(_relation_name(relation))} is no longer an incremental_mv: its state table "
+                    f"{display(state)} was dropped")
+        return state
+
+    @available
     def ivm_config_keys(self) -> list:
         """The config keys an incremental_mv reads from its model (dbt_ivm.config.KEYS)."""
         from dbt_ivm.config import KEYS
@@ -217,9 +238,10 @@ class SparkIvmAdapter(SparkAdapter):
         return has_mv_readers(dict(nodes or {}), unique_id)
 
     @available
-    def ivm_refresh(self, sql: str, relation: Any, config: dict, full_refresh: bool) -> IvmAdapterResponse:
+    def ivm_refresh(self, sql: str, relation: Any, config: dict, full_refresh: bool,
+                    docs: Optional[dict] = None) -> IvmAdapterResponse:
         """Plan and apply one refresh of an incremental_mv; returns what ran and why."""
-        from dbt_ivm.errors import IvmConfigError, IvmError
+        from dbt_ivm.errors import DefinitionChanged, IvmConfigError, IvmError
         from dbt_ivm.names import display
         from dbt_ivm.refresh import refresh
 
@@ -231,16 +253,26 @@ class SparkIvmAdapter(SparkAdapter):
             )
         try:
             ex = _Executor(self)
-            result = refresh(ex, sql, name, dict(config), bool(full_refresh))
+            result = refresh(ex, sql, name, dict(config), bool(full_refresh), dict(docs or {}))
             if os.environ.get("DBT_IVM_TIMINGS"):
                 print("\n".join(f"    {t:6.2f}s {q}" for t, q in ex.timings))
         except IvmConfigError as e:
             raise CompilationError(f"incremental_mv {display(name)}: {e}") from e
+        except DefinitionChanged as e:
+            raise DbtRuntimeError(f"Configuration changes were identified and `on_configuration_change` was set "
+                                  f"to `fail` for `{relation}`: {e}") from e
         except IvmError as e:
             raise DbtRuntimeError(f"incremental_mv {display(name)}: {e}") from e
 
         message = result.message()
         logger.info(f"incremental_mv {display(name)}: {message}")
+        if result.applied == "CONTINUE":  # dbt's words for a materialized view's change
+            logger.warning(f"Configuration changes were identified and `on_configuration_change` was set to "
+                           f"`continue` for `{relation}`")
+        elif result.applied:
+            logger.info(f"Applying {result.applied} to: {relation}")
+        for warning in result.warnings:
+            logger.warning(f"incremental_mv {display(name)}: {warning}")
         return IvmAdapterResponse(
             _message=message,
             code=result.strategy,
@@ -255,6 +287,7 @@ class SparkIvmAdapter(SparkAdapter):
             phases=result.phases or None,
             run_id=result.run_id or None,
             estimates=result.estimates or None,
+            warnings=list(result.warnings) or None,
         )
 
     @available
@@ -269,13 +302,33 @@ class SparkIvmAdapter(SparkAdapter):
         if not found:
             raise CompilationError(f"ivm_explain: no model named {model!r} in this project")
         node = found[0]
-        if (node.get("config") or {}).get("materialized") != "incremental_mv":
+        from dbt_ivm.config import MATERIALIZATIONS
+
+        if (node.get("config") or {}).get("materialized") not in MATERIALIZATIONS:
             raise CompilationError(f"ivm_explain: {model} is not an incremental_mv")
         try:
             sql = render(node, manifest)
         except Exception as e:  # noqa: BLE001 - a Jinja failure: say what is needed
             raise CompilationError(f"ivm_explain: {model}'s SQL needs dbt to render ({e}); run `dbt compile`") from e
-        return {"model": model, **explain_live(_Executor(self), sql, node.get("config") or {})}
+        config = node.get("config") or {}
+        note = None
+        if str(config.get("on_configuration_change") or "").lower() == "continue":
+            # the model is refreshed under the definition its state was built with
+            from dbt_ivm.refresh import read_watermark, state_name
+
+            _, wm = read_watermark(_Executor(self), state_name(_relation_name(self._ivm_node_relation(node))))
+            if wm is not None and wm.sql != sql:
+                sql, config = wm.sql, {**config, "partition_by": wm.partition_by}
+                note = ("on_configuration_change is 'continue': this explains the definition the model was "
+                        "built with, which its refreshes keep")
+        verdict = {"model": model, **explain_live(_Executor(self), sql, config)}
+        if note:
+            verdict["note"] = note
+        return verdict
+
+    def _ivm_node_relation(self, node: dict) -> Any:
+        return self.Relation.create(schema=node.get("schema"),
+                                    identifier=node.get("alias") or node.get("name"))
 
     @available
     def ivm_consistency_sql(self, relation: Any, limit: int = 0) -> str:
@@ -290,4 +343,11 @@ class SparkIvmAdapter(SparkAdapter):
             raise DbtRuntimeError(
                 f"ivm_consistent: {name} has no dbt-ivm watermark; is it an incremental_mv that has been run?"
             )
-        return consistency_sql(wm, name)
+        columns = None
+        if wm.view_sql:  # the view is a projection of the state's definition: its own columns
+            from dbt_ivm.sqltree import describe_query, select, table
+            from sqlglot import exp
+
+            rows = _Executor(self).query(describe_query(select(exp.Star()).from_(table(name))))
+            columns = {str(r[0]).lower(): str(r[1]) for r in rows}
+        return consistency_sql(wm, name, columns=columns)
