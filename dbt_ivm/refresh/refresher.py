@@ -51,11 +51,13 @@ def refresh(ex: Executor, model: Union[str, Model], relation: str, config: Union
     chosen = definition.effective(model, config, found[2], full_refresh, relation)
     facts, choice = _decided(ex, chosen, found, state, relation, full_refresh, phases, started)
     if chosen.view is not None and choice.decision.strategy == FULL:
-        # A rebuild anyway (a source column the state's definition reads
-        # changed, the cost rule): under the model's definition now, not a
-        # projection of the old one.
-        chosen = definition.Definition(model, config)
+        # A rebuild anyway (a source without versions changed, the cost rule):
+        # under the model's definition now, not a projection of the old one,
+        # for the reason it was decided on.
+        chosen, why = definition.Definition(model, config), choice.decision
         facts, choice = _decided(ex, chosen, found, state, relation, full_refresh, phases, started)
+        if choice.decision.strategy == FULL and choice.decision.reason.code == "PLAN_SIGNATURE_MISMATCH":
+            choice = dataclasses.replace(choice, decision=why)
     model, config = chosen.model, chosen.config
     ctx = Context(ex=ex, relation=relation, state=state, run_id=uuid.uuid4().hex, started=started, config=config,
                   facts=facts, choice=choice, docs=Docs.of(docs), view=chosen.view)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 import pytest
+from dbt.tests.adapter.materialized_view import files
 from dbt.tests.adapter.materialized_view.basic import MaterializedViewBasic
 from dbt.tests.adapter.materialized_view.changes import (
     MaterializedViewChanges, MaterializedViewChangesApplyMixin, MaterializedViewChangesContinueMixin,
@@ -29,6 +30,15 @@ pytestmark = pytest.mark.spark
 MODEL = """
 {{ config(materialized='materialized_view') }}
 select id, value from {{ ref('my_seed') }}
+"""
+
+
+SEED_IN_DELTA = """
+version: 2
+seeds:
+  - name: my_seed
+    config:
+      file_format: delta
 """
 
 
@@ -71,6 +81,14 @@ class TestMaterializedViewBasic(MaterializedViewBasic):
 
 
 class SparkIvmChanges(MaterializedViewChanges):
+    @pytest.fixture(scope="class", autouse=True)
+    def seeds(self):
+        # A Delta seed: a source with versions (a seed of files has none over
+        # a Thrift server, and every run would rebuild whatever changed). Set
+        # in a properties file: the mixins set on_configuration_change through
+        # project_config_update.
+        return {"my_seed.csv": files.MY_SEED, "seeds.yml": SEED_IN_DELTA}
+
     @pytest.fixture(scope="class")
     def models(self):
         return {"my_materialized_view.sql": MODEL}

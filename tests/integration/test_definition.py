@@ -32,7 +32,9 @@ def project(tmp_path_factory):
         sql(f"create table {S}.{t} (k int, v int, w string) using delta tblproperties "
             "('delta.enableChangeDataFeed' = 'true', 'delta.columnMapping.mode' = 'name')")
         sql(f"insert into {S}.{t} values (1, 10, 'a'), (1, 20, 'b'), (2, 5, 'c')")
-    p.write_sources(S, "t", "wide", "mapped")
+    sql(f"create table {S}.files (k int, v int) using parquet")
+    sql(f"insert into {S}.files values (1, 10), (2, 5)")
+    p.write_sources(S, "t", "wide", "mapped", "files")
     p.write("models/failing.sql", _model(AGG, on_configuration_change="fail"))
     p.write("models/kept.sql", _model(AGG, on_configuration_change="continue"))
     p.write("models/leaving.sql", _model(AGG))
@@ -55,6 +57,7 @@ def project(tmp_path_factory):
                          ("sums", "select k, sum(v) as total from {{ source('src', 'wide') }} group by k"),
                          ("keys", "select distinct k from {{ source('src', 'wide') }}")):
         p.write(f"models/{reader}.sql", _model(body))
+    p.write("models/on_files.sql", _model("select k, sum(v) as total from {{ source('src', 'files') }} group by k"))
     p.write("models/m_sums.sql", _model("select k, sum(v) as total from {{ source('src', 'mapped') }} group by k"))
     p.write("models/m_keys.sql", _model("select k, count(*) as n from {{ source('src', 'mapped') }} group by k"))
     out = p.dbt("run")
@@ -115,6 +118,19 @@ def test_a_renamed_output_column_is_applied_in_place(project):
     assert _exact(out, "renamed") == "INCREMENTAL"
     tested = project.dbt("test", "--select", "renamed")
     assert tested.success, [(n, r.message) for n, r in tested.results.items()]
+
+
+def test_a_select_list_change_rides_a_rebuild_decided_for_another_reason(project):
+    """A changed select list over a source without versions whose files
+    changed: the rebuild that change needs builds the new definition, and
+    says the reason it was decided for (not PLAN_SIGNATURE_MISMATCH)."""
+    project.write("models/on_files.sql", _model("select k as key, sum(v) as grand_total from "
+                                                "{{ source('src', 'files') }} group by k"))
+    sql(f"insert into {S}.files values (3, 1)")
+    out = project.dbt("run", "--select", "on_files")
+    assert _exact(out, "on_files") == "FULL"
+    assert out.response("on_files")["reason"] == "SOURCE_NOT_DELTA", out.results["on_files"].message
+    assert [r[0] for r in sql("describe df.on_files")][:2] == ["key", "grand_total"]
 
 
 def _props(name: str) -> dict:
