@@ -37,6 +37,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -65,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--changes", default="0.0001,0.001,0.01,0.1",
                    help="fractions of the rows changed per round (default 0.0001,0.001,0.01,0.1)")
     p.add_argument("--repeats", type=int, default=3, help="rounds per cell; medians reported (default 3)")
+    p.add_argument("--full-repeats", type=int, default=None,
+                   help="rounds per cell that also time our FULL (--full-refresh; default: every round)")
     p.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="shapes to run (default: all)")
     p.add_argument("--insert-change", type=float, default=0.001,
                    help="fraction inserted per insert-only round, against the hand-written dbt incremental "
@@ -72,6 +75,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--driver-memory", default="8g")
     p.add_argument("--shuffle-partitions", default="8")
     p.add_argument("--name", default="latest", help="results file: bench/results/<name>.json (default latest)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue bench/results/<name>.json: rounds it holds are skipped, each new one saved as it "
+                        "finishes; the workspace a stopped run left (its sources, models and round) is reused when "
+                        "it is there, else the data is generated again (it is deterministic)")
     p.add_argument("--timings", action="store_true", help="print every SQL statement's time (DBT_IVM_TIMINGS=1)")
     p.add_argument("--policy", default="auto", choices=("auto", "incremental"),
                    help="ivm_policy of the incremental_mv models: auto (the cost rule may rebuild) or incremental "
@@ -92,6 +99,7 @@ def parse_args() -> argparse.Namespace:
         p.error("change fractions must be in (0, 0.5]")
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
+    a.full_repeats = a.repeats if a.full_repeats is None else a.full_repeats
     return a
 
 
@@ -113,7 +121,8 @@ class Bench:
                 "spark.sql.shuffle.partitions": str(self.args.shuffle_partitions), "spark.app.name": "dbt-ivm-bench"}
 
     def setup(self) -> None:
-        for d in (self.project, self.warehouse, self.metastore):
+        kept = self.args.resume and self.marker().exists()
+        for d in (self.project, self.warehouse, self.metastore) if not kept else ():
             if d.exists():
                 shutil.rmtree(d)
         self.workspace.mkdir(parents=True, exist_ok=True)
@@ -122,6 +131,30 @@ class Bench:
 
         conf = default_spark_conf(str(self.project), str(self.warehouse), str(self.metastore), None, self.params())
         self.spark = spark_session(conf)
+
+    def marker(self) -> Path:
+        """Where a run notes the size and round its workspace holds (--resume)."""
+        return self.workspace / "bench_state.json"
+
+    def kept(self, rows: int) -> Optional[dict]:
+        """The workspace's round for ``rows`` where --resume can go on from it: the
+        marker says this size and the sources and models are there."""
+        if not self.args.resume or not self.marker().exists():
+            return None
+        state = json.loads(self.marker().read_text())
+        if state.get("rows") != rows or state.get("shapes") != [s.name for s in self.shapes]:
+            return None
+        try:
+            for s in self.shapes:
+                self.sql(f"select 1 from {self.relation(s.name, 'mv')} limit 1")
+                self.sql(f"select 1 from {self.relation(s.name, 'table')} limit 1")
+        except Exception:  # noqa: BLE001 - a table is gone: start the size again
+            return None
+        return state
+
+    def note(self, data: "Data") -> None:
+        self.marker().write_text(json.dumps({"rows": data.rows, "round": data.round, "next_order": data.next_order,
+                                             "shapes": [s.name for s in self.shapes]}))
 
     def write_project(self) -> None:
         models = {"+file_format": "delta", "+schema": None,
@@ -207,35 +240,55 @@ class Bench:
         print(f"\n{bar}\n!! {msg}\n{bar}\n", flush=True)
 
 
-def run_size(b: Bench, rows: int, out: list) -> None:
+def run_size(b: Bench, rows: int, out: list, save=lambda: None) -> None:
+    """One size: generate (or, under --resume, take the workspace as a stopped
+    run left it), build, then the rounds not yet in ``out``, each saved (``save``)
+    as it finishes."""
     args = b.args
     data = Data(b.sql, rows)
-    t = time.perf_counter()
-    data.create()
-    b.sql(f"drop schema if exists {SCHEMA} cascade")
-    print(f"\n== {rows:,} lineitem rows: sources generated in {time.perf_counter() - t:.1f}s", flush=True)
+    done = {(c.get("phase"), c.get("change"), c.get("repeat")) for c in out if c.get("rows") == rows}
 
     def record(**cell):
         cell.update(rows=rows)
         out.append(cell)
 
-    # The JVM's first queries run slower (class loading, JIT): an untimed build
-    # of the tables first, else the first incremental_mv dbt builds pays for it
-    # (session 25, 1 M rows: agg_left_join 4.8 s against its table's 1.0 s;
-    # 1.95 s against 1.42 s after the untimed build).
-    b.dbt("table")
-    first = b.dbt("mv")
-    table = b.dbt("table")
-    for s in b.shapes:
-        if s.name in first and s.name in table:
-            record(phase="create", shape=s.name, mv=first[s.name][0], table=table[s.name][0],
-                   code=first[s.name][1].get("code"))
-    b.dbt("inc")
-    data.change(0.001)  # warm-up round, not recorded
-    b.dbt("mv")
+    wanted = {("mixed", f, r) for f in args.changes for r in range(args.repeats)} | {("noop", f, None) for f in args.changes}
+    inserts = args.insert_change and any(s.incremental for s in b.shapes)
+    if wanted <= done and not (inserts and not any(c.get("phase") == "insert" and c.get("rows") == rows for c in out)):
+        print(f"\n== {rows:,} lineitem rows: every round is in the results already", flush=True)
+        return
+    state = b.kept(rows)
+    if state is not None:
+        data.round, data.next_order = state["round"], state["next_order"]
+        print(f"\n== {rows:,} lineitem rows: the workspace's, at round {data.round}", flush=True)
+        b.dbt("table")  # the JVM's first queries run slower: untimed
+    else:
+        t = time.perf_counter()
+        data.create()
+        b.sql(f"drop schema if exists {SCHEMA} cascade")
+        print(f"\n== {rows:,} lineitem rows: sources generated in {time.perf_counter() - t:.1f}s", flush=True)
+        # The JVM's first queries run slower (class loading, JIT): an untimed build
+        # of the tables first, else the first incremental_mv dbt builds pays for it
+        # (1 M rows: agg_left_join 4.8 s against its table's 1.0 s; 1.95 s against
+        # 1.42 s after the untimed build).
+        b.dbt("table")
+        first = b.dbt("mv")
+        table = b.dbt("table")
+        if ("create", None, None) not in done:
+            for s in b.shapes:
+                if s.name in first and s.name in table:
+                    record(phase="create", shape=s.name, mv=first[s.name][0], table=table[s.name][0],
+                           code=first[s.name][1].get("code"))
+        b.dbt("inc")
+        data.change(0.001)  # warm-up round, not recorded
+        b.dbt("mv")
+        b.note(data)
+        save()
 
     for fraction in args.changes:
         for rep in range(args.repeats):
+            if ("mixed", fraction, rep) in done:
+                continue
             changed = data.change(fraction)
             data.warm()
             table_first = args.order == "table" or (args.order == "alternate" and rep % 2 == 1)
@@ -252,30 +305,38 @@ def run_size(b: Bench, rows: int, out: list) -> None:
                 if fm != ft:
                     b.compare(s.name, "mv", f"{rows:,} rows, {fraction:%} change, round {rep + 1}")
                 reads[s.name] = (rm, rt)
-            full = b.dbt("mv", "--full-refresh")
-            for s in b.shapes:  # untimed: the state's new snapshot loaded, as the read above did the table's
-                b.sql(f"select count(*) from {b.relation(s.name, 'mv')}")
+            full = {}
+            if rep < args.full_repeats:
+                full = b.dbt("mv", "--full-refresh")
+                for s in b.shapes:  # untimed: the state's new snapshot loaded, as the read above did the table's
+                    b.sql(f"select count(*) from {b.relation(s.name, 'mv')}")
             for s in b.shapes:
-                if s.name not in inc or s.name not in plain or s.name not in full:
+                if s.name not in inc or s.name not in plain or (rep < args.full_repeats and s.name not in full):
                     continue
                 resp = inc[s.name][1]
                 record(phase="mixed", shape=s.name, change=fraction, changed=changed, repeat=rep,
                        first="table" if table_first else "mv",
-                       mv=inc[s.name][0], table=plain[s.name][0], full=full[s.name][0],
+                       mv=inc[s.name][0], table=plain[s.name][0], full=full[s.name][0] if full else None,
                        read_mv=reads[s.name][0], read_table=reads[s.name][1],
                        code=resp.get("code"), reason=resp.get("reason"), write=resp.get("state_write"),
-                       full_code=full[s.name][1].get("code"))
+                       full_code=full[s.name][1].get("code") if full else None)
             print(f"  {fraction:.2%} round {rep + 1}: " + ", ".join(
                 f"{n} {inc[n][1].get('code', '?')[:4]} {inc[n][0]:.1f}/{plain[n][0]:.1f}s" for n in inc
                 if n in plain), flush=True)
+            b.note(data)
+            save()
+        if ("noop", fraction, None) in done:
+            continue
         noop = b.dbt("mv")
         for name, (secs, resp) in noop.items():
             record(phase="noop", shape=name, change=fraction, mv=secs, refresh=resp.get("seconds"),
                    code=resp.get("code"))
             if resp.get("code") != "NOOP":
                 b.problem(f"{name}: a run without changes returned {resp.get('code')}")
+        save()
 
-    if args.insert_change and any(s.incremental for s in b.shapes):
+    if args.insert_change and any(s.incremental for s in b.shapes) \
+            and not any(c.get("phase") == "insert" and c.get("rows") == rows for c in out):
         b.dbt("inc", "--full-refresh")  # realign the hand-written models after the mixed rounds
         for rep in range(args.repeats):
             changed = data.change(args.insert_change, insert_only=True)
@@ -303,6 +364,11 @@ def main() -> None:
     cells: list = []
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{args.name}.json"
+    before = 0.0
+    if args.resume and path.exists():
+        kept = json.loads(path.read_text())
+        cells, b.problems, before = kept["cells"], kept.get("problems", []), kept.get("seconds", 0.0)
+        print(f"resuming {path}: {len(cells)} cells", flush=True)
 
     def save():
         path.write_text(json.dumps({
@@ -310,11 +376,11 @@ def main() -> None:
             "command": " ".join(["bench/bench.py", *sys.argv[1:]]),
             "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Spark {b.spark.version}, "
                        f"driver memory {args.driver_memory}, shuffle partitions {args.shuffle_partitions}",
-            "seconds": round(time.perf_counter() - t0, 1),
+            "seconds": round(before + time.perf_counter() - t0, 1),
             "problems": b.problems, "cells": cells}, indent=1))
 
     for rows in args.sizes:
-        run_size(b, rows, cells)
+        run_size(b, rows, cells, save)
         save()
     save()
     print(f"\nraw results: {path} ({time.perf_counter() - t0:.0f}s); report: bench/report.py {path}")
