@@ -54,7 +54,7 @@ class _Executor(Executor):
         _, cursor = self.adapter.connections.add_query(sql, auto_begin=False)
         rows = [tuple(r) for r in cursor.fetchall() or []]
         logger.debug(f"dbt_ivm: {time.time() - start:.2f}s {sql[:120]}")
-        self.timings.append((round(time.time() - start, 2), sql if os.environ.get("DBT_IVM_TIMINGS") == "full" else sql[:60]))
+        self.timings.append((round(time.time() - start, 3), sql if os.environ.get("DBT_IVM_TIMINGS") == "full" else sql[:60]))
         return rows
 
 
@@ -86,7 +86,7 @@ class _Executor(Executor):
         start = time.time()
         rows = history(session, table, limit)
         if rows is not None:
-            self.timings.append((round(time.time() - start, 2), f"(delta log) history {table} {limit}"))
+            self.timings.append((round(time.time() - start, 3), f"(delta log) history {table} {limit}"))
         return rows
 
     def delta_commits(self, table: str, first: int, last: int) -> Optional[list]:
@@ -99,7 +99,7 @@ class _Executor(Executor):
 
         start = time.time()
         texts = commits(session, table, first, last)
-        self.timings.append((round(time.time() - start, 2), f"(delta log) commits {table} {first}..{last}"))
+        self.timings.append((round(time.time() - start, 3), f"(delta log) commits {table} {first}..{last}"))
         return texts
 
     def delta_partition_count(self, table: str) -> Optional[int]:
@@ -112,7 +112,7 @@ class _Executor(Executor):
 
         start = time.time()
         count = partition_count(session, table)
-        self.timings.append((round(time.time() - start, 2), f"(delta log) partitions {table}"))
+        self.timings.append((round(time.time() - start, 3), f"(delta log) partitions {table}"))
         return count
 
     def list_files(self, location: str) -> Optional[list]:
@@ -255,7 +255,7 @@ class SparkIvmAdapter(SparkAdapter):
             ex = _Executor(self)
             result = refresh(ex, sql, name, dict(config), bool(full_refresh), dict(docs or {}))
             if os.environ.get("DBT_IVM_TIMINGS"):
-                print("\n".join(f"    {t:6.2f}s {q}" for t, q in ex.timings))
+                print("\n".join(f"    {t:6.3f}s {q}" for t, q in ex.timings))
         except IvmConfigError as e:
             raise CompilationError(f"incremental_mv {display(name)}: {e}") from e
         except DefinitionChanged as e:
