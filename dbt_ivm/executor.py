@@ -18,6 +18,10 @@ class Executor(ABC):
     # flushes (the adapter: once per dbt invocation); None: appended to the
     # history table by each refresh.
     history: Optional[Any] = None
+    # Delta sources described before (name -> (version, catalog.Source)),
+    # kept by the owner across refreshes (the adapter: one dbt invocation);
+    # None: every refresh describes its sources (facts.describe_source).
+    catalog: Optional[dict] = None
 
     @abstractmethod
     def query(self, sql: str) -> list[tuple]:

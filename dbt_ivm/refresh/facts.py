@@ -4,6 +4,7 @@ relations exist, which models read this one."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -47,8 +48,29 @@ HISTORY_DEPTH = 20
 
 def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -> Source:
     """Columns, format, change-feed flag and current version of one relation;
-    ``histories`` (physical table -> newest DESCRIBE HISTORY rows) is filled in."""
+    ``histories`` (physical table -> newest DESCRIBE HISTORY rows) is filled in.
+    A Delta table described before in the executor's ``catalog`` at the
+    version its history now heads is not described again: every change of
+    its schema or properties is a commit, a new version."""
     histories = {} if histories is None else histories
+    known = ex.catalog.get(name) if ex.catalog is not None else None
+    if known is not None:
+        try:
+            version, history = history_head(ex, name, HISTORY_DEPTH)
+        except Exception:  # noqa: BLE001 - dropped, or no longer Delta: described (and said) below
+            version, history = None, []
+        stamps = commit_stamps(history)
+        # the same version of the same table (not one recreated since: its commit's time tells)
+        if version is not None and version == known[0] and dict(stamps).get(version) == dict(known[1].stamps).get(version):
+            histories[name] = history
+            return dataclasses.replace(known[1], stamps=stamps)
+    source = _described(ex, name, histories)
+    if ex.catalog is not None and source.kind == DELTA and source.version is not None:
+        ex.catalog[name] = (source.version, source)
+    return source
+
+
+def _described(ex: Executor, name: str, histories: dict) -> Source:
     rows = ex.query(f"DESCRIBE TABLE EXTENDED {canonical(name)}")
     columns: list[tuple[str, str]] = []
     partitions: list[str] = []

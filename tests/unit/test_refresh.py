@@ -860,3 +860,35 @@ def test_the_view_carries_the_descriptions_and_follows_them():
     old.view = key
     assert commit.view_in_step(ctx, plan, plan.kind, plan.columns, types) is None and len(ctx.ex.sql) == 1
     assert Docs.of(None).column_comments(["i"]) is None
+
+
+class _Catalog(Executor):
+    """DESCRIBE TABLE EXTENDED of a Delta table and its history head (version, time)."""
+
+    def __init__(self):
+        self.sql, self.head, self.catalog = [], (3, "2026-11-28 10:00:00"), {}
+
+    def query(self, sql):
+        self.sql.append(sql.split(" `")[0])
+        if sql.startswith("DESCRIBE HISTORY"):
+            return [(self.head[0], self.head[1], *[None] * 12)]
+        return [("k", "int", None), ("", "", None), ("# Detailed Table Information", "", None),
+                ("Provider", "delta", None), ("Table Properties", "[delta.enableChangeDataFeed=true]", None)]
+
+
+def test_a_delta_source_described_at_the_same_version_is_not_described_again():
+    from dbt_ivm.refresh.facts import describe_source
+
+    ex = _Catalog()
+    first = describe_source(ex, "db.t")
+    assert ex.sql == ["DESCRIBE TABLE EXTENDED", "DESCRIBE HISTORY"] and first.version == 3 and first.cdf
+    assert describe_source(ex, "db.t") == first and ex.sql[2:] == ["DESCRIBE HISTORY"]  # the head only
+    ex.head = (4, "2026-11-28 10:01:00")  # a commit: described again
+    assert describe_source(ex, "db.t").version == 4 and ex.sql[3:] == ["DESCRIBE HISTORY", "DESCRIBE TABLE EXTENDED",
+                                                                        "DESCRIBE HISTORY"]
+    ex.head = (4, "2026-11-28 11:00:00")  # dropped and recreated up to the same version
+    describe_source(ex, "db.t")
+    assert ex.sql[6:] == ["DESCRIBE HISTORY", "DESCRIBE TABLE EXTENDED", "DESCRIBE HISTORY"]
+    ex.catalog = None  # an executor that keeps no catalog
+    describe_source(ex, "db.t")
+    assert ex.sql[9:] == ["DESCRIBE TABLE EXTENDED", "DESCRIBE HISTORY"]

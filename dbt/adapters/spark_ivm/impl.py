@@ -48,6 +48,8 @@ class _Executor(Executor):
         self.timings: list = []
         # Refresh history rows are written once per invocation (SparkIvmAdapter.cleanup_connections).
         self.history = adapter.ivm_pending_history()
+        # Delta sources described by this invocation's refreshes (facts.describe_source)
+        self.catalog = adapter.__dict__.setdefault("_ivm_catalog", {})
 
     def query(self, sql: str) -> list[tuple]:
         start = time.time()
@@ -169,7 +171,9 @@ class SparkIvmAdapter(SparkAdapter):
 
     def cleanup_connections(self) -> None:
         """dbt's end of an invocation: first the refresh history rows of its
-        refreshes (one INSERT per history table, dbt_ivm.refresh.history)."""
+        refreshes (one INSERT per history table, dbt_ivm.refresh.history);
+        the sources it described are forgotten."""
+        self.__dict__.pop("_ivm_catalog", None)
         pending = self.__dict__.get("_ivm_history")
         if pending:
             try:
