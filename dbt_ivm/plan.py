@@ -32,7 +32,7 @@ from dbt_ivm.model import Model
 from dbt_ivm.names import DIALECT, PREFIX
 from dbt_ivm.errors import IvmError, UnsupportedQuery
 from dbt_ivm.parse import qualified, table_name
-from dbt_ivm.planner import Node, has_aggregate, in_window, node_of
+from dbt_ivm.planner import Keyed, Node, UnionAll, has_aggregate, in_window, node_of
 from dbt_ivm.subqueries import decorrelate
 from dbt_ivm.support import known_sources, output_columns, require_query, root_decomposable, structure, supported
 from dbt_ivm.versions import Target
@@ -98,6 +98,17 @@ class Plan:
         if self.kind == AGGREGATE:
             return [f"{PREFIX}k{i}" for i in range(len(self.keys))]
         return list(self.columns)
+
+    @property
+    def recomputes(self) -> bool:
+        """Some operator of the input is maintained by affected-key recompute (planner.Keyed)."""
+        stack = [self.input]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, Keyed):
+                return True
+            stack.extend(node.arms if isinstance(node, UnionAll) else [n for _, n in getattr(node, "items", [])])
+        return False
 
     @property
     def has_minmax(self) -> bool:

@@ -120,7 +120,8 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
         decision = partition_cost(decision, part, config, measures)
     estimated: dict = {}
     if decision.strategy in (INCREMENTAL, PARTITION) and config.weighs_costs:
-        decision, estimated = cost_rule(decision, part, watermark, changes, config, measures)
+        decision, estimated = cost_rule(decision, part, watermark, changes, config, measures,
+                                        facts.plan is not None and facts.plan.recomputes)
     if not measures.sized and watermark is not None:
         measures.carry_rows()
     incr = decision.strategy == INCREMENTAL
@@ -194,11 +195,13 @@ def allowed(decision: Decision, config: Config, relation: str, cause: Optional[B
 
 
 def cost_rule(decision: Decision, part, watermark: Watermark, changes: Optional[int], config: Config,
-              measures) -> tuple[Decision, dict]:
+              measures, recomputes: bool = False) -> tuple[Decision, dict]:
     """The cost rule (ivm_policy 'auto', ivm_cost_rule 'auto'): among the
     strategies of the chain that apply from the one decided on, the one
-    estimated cheapest from the state's measured costs (decide.estimates).
-    Returns the decision and the estimates (recorded beside the actual time)."""
+    estimated cheapest from the state's measured costs (decide.estimates;
+    ``recomputes``: the plan's, Plan.recomputes, for the prior of an
+    incremental refresh never measured). Returns the decision and the
+    estimates (recorded beside the actual time)."""
     candidates = [decision.strategy] + ([PARTITION] if decision.strategy == INCREMENTAL and
                                         not isinstance(part, Reason) else []) + [FULL]
     replaced = total = None
@@ -208,7 +211,7 @@ def cost_rule(decision: Decision, part, watermark: Watermark, changes: Optional[
     if PARTITION in candidates and decision.strategy == INCREMENTAL:
         # Estimated dearer than INCREMENTAL whatever the state's partition
         # count: not a candidate, and the partitions are not counted.
-        inc = estimates(costs, changes, rows=measures.total).get(INCREMENTAL)
+        inc = estimates(costs, changes, rows=measures.total, recomputes=recomputes).get(INCREMENTAL)
         floor = partition_floor(costs, len(part.values))
         if inc is not None and floor is not None and inc[0] < floor:
             candidates.remove(PARTITION)
@@ -222,7 +225,7 @@ def cost_rule(decision: Decision, part, watermark: Watermark, changes: Optional[
         replaced = len(part.values)
         if not costs.get("partition") and costs.get("full") is not None:
             total = measures.partition_total()
-    est = estimates(costs, changes, replaced, total, measures.total)
+    est = estimates(costs, changes, replaced, total, measures.total, recomputes)
     best, why = cheapest(candidates, est, costs, changes)
     if best == decision.strategy:
         return decision, est

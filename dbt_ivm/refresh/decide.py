@@ -41,7 +41,12 @@ def too_large(sizes: dict, threshold: float) -> Optional[Reason]:
 # single slow incremental refresh (a first MERGE into a new state, a cold JVM,
 # a one-off compaction) must not make every later refresh a rebuild.
 RETRY_AFTER = 3
-RETRY_WITHIN = 2.0
+# ... and only where it is estimated within this factor of the cheapest: a
+# path tried to measure it (never measured, or measured long ago) is a bet, and
+# one that may cost more than half again the rebuild is not worth its
+# information (measured at 1 M rows with a factor of 2: the join + aggregate's
+# tries took 2.5 s against a 1.3 s rebuild, every fourth refresh).
+RETRY_WITHIN = 1.5
 # ... and only for a change of at most this many times the largest change
 # measured: a retry measures a refresh like the one measured, it does not
 # gamble on an extrapolation (measured at 1 M rows: a window's incremental
@@ -54,6 +59,26 @@ RETRY_GROWTH = 4.0
 # Delta MERGE of a handful of rows with its delta query costs 2–5 s, on a
 # cluster less; a rebuild measured below this is taken as the cheaper path.
 INCREMENTAL_PRIOR_S = 2.0
+# ... for a plan with an operator maintained by affected-key recompute
+# (Plan.recomputes: outer/semi/anti joins, windows, HAVING, DISTINCT
+# aggregates...), which scans its inputs for the touched keys: this much plus
+# KEYED_REBUILD_SHARE of the rebuild. Measured on these machines
+# (BENCHMARKS.md): at 10 M rows such refreshes took 1.9–3.0 s against
+# rebuilds of 1.8–6.9 s (TPC-H q18 15.6 s against 6.3 s); at 1 M rows, as the
+# first of their kind in the JVM, 6.2–6.8 s against 1.2–1.4 s.
+KEYED_PRIOR_S = 3.0
+KEYED_REBUILD_SHARE = 0.25
+
+
+def prior(full: Optional[float], recomputes: bool) -> float:
+    """An incremental refresh's estimated fixed cost before one was measured.
+
+    >>> prior(1.4, False), prior(1.4, True), prior(7.0, True), prior(None, True)
+    (2.0, 3.35, 4.75, 3.0)
+    """
+    if not recomputes:
+        return INCREMENTAL_PRIOR_S
+    return KEYED_PRIOR_S + KEYED_REBUILD_SHARE * (full or 0.0)
 
 
 # The part of a rebuild's time that does not shrink with the data it writes
@@ -128,16 +153,16 @@ def fit(points: list, now: int, slope: Optional[float]) -> Optional[float]:
 
 
 def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = None,
-              total: Optional[int] = None, rows: Optional[int] = None) -> dict:
+              total: Optional[int] = None, rows: Optional[int] = None, recomputes: bool = False) -> dict:
     """Seconds each strategy is estimated to take, with the basis of each:
     ``{strategy: (seconds, basis)}``. From the state's own history (``costs``:
     watermark.measured_costs): INCREMENTAL a line through the incremental
     refreshes measured (fit; before two change sizes were, through the newest
     with a slope of ROW_COST_FACTOR rebuilt source rows per changed row, where
     the newest rebuild and the changed sources' ``rows`` are known; else the
-    newest grown with half of it fixed; before one was measured,
-    INCREMENTAL_PRIOR_S, plus that slope times the changed rows where it is
-    known); PARTITION likewise a line through the partition refreshes
+    newest grown with half of it fixed; before one was measured, the
+    ``prior`` of its kind (``recomputes``: Plan.recomputes), plus that slope
+    times the changed rows where it is known); PARTITION likewise a line through the partition refreshes
     measured (or the newest grown with half of it fixed), else the newest
     rebuild's FIXED_S plus the share ``replaced`` of ``total`` of the rest; FULL the newest
     rebuild. A strategy without a basis has no estimate.
@@ -158,7 +183,8 @@ def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = Non
             out[INCREMENTAL] = (fitted if fitted is not None else _scaled(seconds, before, changes),
                                 f"the last incremental refresh took {seconds:.1f}s for {before} changed rows")
         else:
-            out[INCREMENTAL] = (INCREMENTAL_PRIOR_S + (slope or 0.0) * changes, "no incremental refresh measured yet")
+            out[INCREMENTAL] = (prior(full, recomputes) + (slope or 0.0) * changes,
+                                "no incremental refresh measured yet")
     if replaced is not None:
         if costs.get("partition"):
             seconds, before = costs["partition"]
@@ -232,11 +258,11 @@ def cheapest(candidates: list, est: dict, costs: dict, changes: Optional[int] = 
     >>> [cheapest([INCREMENTAL, PARTITION, FULL], est, c)[0] for c in ({"incremental": (5.0, 10)}, {})]
     ['PARTITION', 'INCREMENTAL']
     >>> measured = {"rebuilt": RETRY_AFTER, "incremental_points": [(5.0, 10)]}
-    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (3.0, "f")}, measured)
+    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (4.0, "m"), FULL: (3.0, "f")}, measured)
     ('INCREMENTAL', None)
-    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (1.0, "f")}, measured)[0]
+    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (3.0, "f")}, measured)[0]
     'FULL'
-    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (5.0, "m"), FULL: (3.0, "f")},
+    >>> cheapest([INCREMENTAL, FULL], {INCREMENTAL: (4.0, "m"), FULL: (3.0, "f")},
     ...          {"rebuilt": RETRY_AFTER, "incremental_points": [(5.0, 100)]}, changes=10_000)[0]
     'FULL'
     >>> never = {INCREMENTAL: (2.0, "prior"), FULL: (1.9, "the last rebuild")}

@@ -892,3 +892,35 @@ def test_a_delta_source_described_at_the_same_version_is_not_described_again():
     ex.catalog = None  # an executor that keeps no catalog
     describe_source(ex, "db.t")
     assert ex.sql[9:] == ["DESCRIBE TABLE EXTENDED", "DESCRIBE HISTORY"]
+
+
+@pytest.mark.parametrize("sql,recomputes", [
+    ("select a.i, b.k from db.a a join db.b b on a.i = b.i", False),
+    ("select i, sum(j) as s from db.a group by i", False),
+    ("select a.i, b.k from db.a a left join db.b b on a.i = b.i", True),
+    ("select i, count(distinct j) as n from db.a group by i", True),
+    ("select i from db.a union all select a.i from db.a a left join db.b b on a.i = b.i", True),
+])
+def test_a_plan_says_whether_it_recomputes_affected_keys(sql, recomputes):
+    from dbt_ivm.plan import build_plan
+    from tests.unit.test_compiler import CATALOG
+
+    assert build_plan(sql, CATALOG).recomputes is recomputes
+
+
+def test_an_untried_incremental_path_is_explored_only_within_half_again_the_rebuild():
+    """The prior of an affected-key recompute grows with the rebuild; a retry
+    is taken only where estimated within RETRY_WITHIN of the rebuild."""
+    from dbt_ivm.refresh import cheapest, estimates
+    from dbt_ivm.refresh.decide import RETRY_AFTER, prior
+
+    costs = {"full": 1.4, "rebuilt": RETRY_AFTER}
+    keyed = estimates(costs, 10, rows=1_000_000, recomputes=True)
+    assert keyed["INCREMENTAL"][0] == pytest.approx(prior(1.4, True), abs=0.01)
+    assert cheapest(["INCREMENTAL", "FULL"], keyed, costs, 10)[0] == "FULL"  # 3.35 s against 1.4: never tried
+    big = {"full": 7.0, "rebuilt": 0}
+    assert cheapest(["INCREMENTAL", "FULL"], estimates(big, 10, rows=10_000_000, recomputes=True), big, 10)[0] == \
+        "INCREMENTAL"  # 4.75 s against 7.0: tried
+    for full, tried in ((1.2, "FULL"), (1.4, "INCREMENTAL")):  # the 2.0 s prior: within 1.5x of 1.4, not of 1.2
+        costs = {"full": full, "rebuilt": RETRY_AFTER}
+        assert cheapest(["INCREMENTAL", "FULL"], estimates(costs, 10, rows=1_000_000), costs, 10)[0] == tried
