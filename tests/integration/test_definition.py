@@ -60,6 +60,7 @@ def project(tmp_path_factory):
     p.write("models/on_files.sql", _model("select k, sum(v) as total from {{ source('src', 'files') }} group by k"))
     p.write("models/m_sums.sql", _model("select k, sum(v) as total from {{ source('src', 'mapped') }} group by k"))
     p.write("models/m_keys.sql", _model("select k, count(*) as n from {{ source('src', 'mapped') }} group by k"))
+    p.write("models/m_star.sql", _model("select * from {{ source('src', 'mapped') }}"))
     out = p.dbt("run")
     assert out.success, [(n, r.message) for n, r in out.results.items()]
     return p
@@ -195,12 +196,14 @@ def test_a_source_column_only_one_model_reads(project):
 
 @pytest.mark.parametrize("change", ["rename column w to w2", "drop column w2"])  # in turn
 def test_a_column_renamed_or_dropped_that_a_model_does_not_read(project, change):
-    """Under column mapping: the models that do not read w are not rebuilt for
-    PLAN_SIGNATURE_MISMATCH (Delta may refuse to read the change feed across
-    the schema change: then they fall back with that reason)."""
+    """Under column mapping, a source read by three models: the `select *` one
+    reads w and rebuilds for it; the two that do not are not rebuilt for
+    PLAN_SIGNATURE_MISMATCH (Delta refuses to read the change feed across
+    the schema change: they fall back with that reason)."""
     sql(f"alter table {S}.mapped {change}")
     sql(f"insert into {S}.mapped (k, v) values (2, 4)")
-    out = project.dbt("run", "--select", "m_sums", "m_keys")
+    out = project.dbt("run", "--select", "m_sums", "m_keys", "m_star")
+    assert _exact(out, "m_star") == "FULL" and out.response("m_star")["reason"] == "PLAN_SIGNATURE_MISMATCH"
     for name in ("m_sums", "m_keys"):
         code = _exact(out, name)
         assert out.response(name).get("reason") != "PLAN_SIGNATURE_MISMATCH", (code, out.results[name].message)
