@@ -32,8 +32,8 @@ ON_CHANGE = ("apply", "continue", "fail")
 DEFAULT_THRESHOLD = 0.5
 DEFAULT_PARTITION_THRESHOLD = 0.5
 
-# ivm_deletion_vectors / ivm_state_layout 'auto' switch at this state size
-# (refresh.chain.DV_AUTO_BYTES, APPEND_AUTO_BYTES restate it for their rules).
+# ivm_deletion_vectors 'auto' switches at this state size
+# (refresh.chain.DV_AUTO_BYTES restates it for its rule).
 AUTO_BYTES = 2 << 20
 
 # The keys a model sets, each with the Config field it fills and what it accepts.
@@ -49,8 +49,8 @@ KEYS = {
                                                        "a full rebuild"),
     "ivm_cost_rule": ("cost_rule", "auto (under ivm_policy 'auto', take the strategy the state's measured costs "
                                    "estimate cheapest), off"),
-    "ivm_state_layout": ("state_layout", "auto (append for a big aggregate state without MIN/MAX that no "
-                                         "incremental_mv reads, else merge), merge, append"),
+    "ivm_state_layout": ("state_layout", "auto (merge: reads win), merge, append (writes only the "
+                                         "change, each read folds the layers)"),
     "ivm_change_feed": ("change_feed", "auto (on when an incremental_mv of this project reads this model), "
                                        "true, false"),
     "ivm_deletion_vectors": ("deletion_vectors", f"auto (on once the state table is {AUTO_BYTES >> 20} MiB), "

@@ -14,7 +14,7 @@ from typing import Optional
 from dbt_ivm import apply
 from dbt_ivm.config import APPEND, MERGE, Config
 from dbt_ivm.errors import DefinitionChanged, IvmConfigError, IvmError, Reason
-from dbt_ivm.plan import AGGREGATE, BAG, Plan
+from dbt_ivm.plan import AGGREGATE, Plan
 from dbt_ivm.refresh.context import Choice, Facts, Settings
 from dbt_ivm.refresh.definition import FAIL_HINT, differences, in_place
 from dbt_ivm.refresh.decide import cheapest, decide, estimates, partition_floor, too_large
@@ -22,18 +22,14 @@ from dbt_ivm.refresh.values import _REBUILD_REASONS, FULL, INCREMENTAL, NOOP, PA
 from dbt_ivm.refresh.watermark import Watermark
 
 
-# ivm_state_layout='auto' keeps an eligible aggregate's state as appended layers
-# once a commit of the state wrote this much (see settle_layout).
-APPEND_AUTO_BYTES = 2 << 20
-
-
-# ... and a model of plain rows once it wrote this much. Its append layout
-# saves the MERGE that matches every state row on every column (measured on 2
-# cores, docs/DESIGN.md §2: 2-3 s against 1.6 s at 6 MiB,
-# 5.6-7.5 s against 1.2-2.5 s at 20 MiB, 15-20 s against 1.2-3.2 s at 200 MiB),
-# but while a layer holds removals each read scans the state twice, about a
-# second more per read at 6-20 MiB: below this size the trade does not pay.
-BAG_APPEND_AUTO_BYTES = 16 << 20
+# What ivm_state_layout='auto' keeps: merged rows (one per group, or per
+# distinct row), at any size. The append layout writes only the change but
+# makes every read of the model fold the layers: measured at 1 M rows, a full
+# read of a join + aggregate 2.4x and of a join projection 3.3x the same read
+# of a plain table (BENCHMARKS.md). A view is read far more often than it is
+# refreshed, so reads win unless the model asks for append. (The scenario
+# suite sets APPEND here to run every eligible model through that layout.)
+AUTO_LAYOUT = MERGE
 
 
 # ivm_deletion_vectors='auto' turns them on once a commit of the state table
@@ -130,7 +126,10 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
     # re-creates the view, which only the incremental path does).
     layout = settle_layout(config, plan, watermark, incr)
     if decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and layout != APPEND:
-        change = f"ivm_state_layout is {config.state_layout}, no longer append (the state is kept as appended layers)"
+        change = (f"ivm_state_layout is {config.state_layout}, no longer append (the state is kept as appended layers)"
+                  if config.state_layout != "auto" else
+                  "ivm_state_layout 'auto' keeps the state merged (this dbt-ivm's default, for the reads' sake), "
+                  "and an earlier one kept it as appended layers")
         if config.on_change == "fail":
             raise DefinitionChanged(f"on_configuration_change is 'fail' and the configuration of {relation} "
                                     f"changed since it was built: {change}. {FAIL_HINT}")
@@ -139,8 +138,7 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
             warnings.append(f"on_configuration_change is 'continue': {change}; it keeps its layout "
                             "(dbt run --full-refresh rebuilds it under the new one)")
         else:
-            decision = Decision(FULL, Reason(
-                "STATE_LAYOUT_CHANGED", "ivm_state_layout no longer keeps this state as appended layers"))
+            decision = Decision(FULL, Reason("STATE_LAYOUT_CHANGED", f"the state is rebuilt merged: {change}"))
     elif decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and config.partition_by \
             and plan is not None and plan.kind == AGGREGATE and not watermark.keyed_layers:
         decision = Decision(FULL, Reason(
@@ -303,19 +301,16 @@ def settle_layout(config: Config, plan: Optional[Plan], old: Optional[Watermark]
     change as a layer of rows and the view sums a group's rows (folded_state);
     compacted every few layers. An append writes only the change (a MERGE
     rewrites or marks every state file the change touches), at the cost of
-    reads that aggregate. 'auto' picks append for an eligible plan no
-    incremental_mv reads once a commit of its state wrote APPEND_AUTO_BYTES
-    (BAG_APPEND_AUTO_BYTES for plain rows; read from the history, no
-    query); once append, it stays append."""
+    reads that aggregate. 'auto' is AUTO_LAYOUT (merge) where the plan can be
+    layered and no incremental_mv reads the model, else merge; a state an
+    earlier dbt-ivm's 'auto' left as layers is rebuilt merged at its next
+    refresh (select_strategy: STATE_LAYOUT_CHANGED)."""
     want = config.state_layout
     if want != "auto":
         return want
     if not apply.append_eligible(plan) or config.mv_dependents or old is None:
         return MERGE
-    if old.layout == APPEND or (incr and old.written_bytes >= (
-            BAG_APPEND_AUTO_BYTES if plan.kind == BAG else APPEND_AUTO_BYTES)):
-        return APPEND
-    return MERGE
+    return AUTO_LAYOUT
 
 
 def settle_dvs(config: Config, old: Optional[Watermark], incr: bool) -> bool:

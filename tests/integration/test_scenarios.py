@@ -22,8 +22,9 @@ Select cases with DBT_IVM_CASES=D01,D03 (default: all). The `dbt test` audit of
 every scenario model (ivm_consistent) runs with DBT_IVM_SCENARIO_FULL=1 (off in
 the default `./run test`, which must fit CI's time limit on a 2-core machine;
 the crash test and the demo run `dbt test`). DBT_IVM_SCENARIO_LAYOUT=append
-keeps every eligible model's state as appended layers (ivm_state_layout='auto'
-with no size threshold), so the cases run through that layout's write path.
+keeps every eligible model's state as appended layers (what
+ivm_state_layout='auto' picks, chain.AUTO_LAYOUT, set to append), so the cases
+run through that layout's write path.
 """
 
 from __future__ import annotations
@@ -242,11 +243,10 @@ def suite(tmp_path_factory, request):
     with pytest.MonkeyPatch.context() as mp:
         if os.environ.get("DBT_IVM_SCENARIO_LAYOUT") == "append":
             # every model ivm_state_layout='auto' may keep as appended layers does
-            # so from its first incremental refresh (dbt runs in this process)
+            # so (dbt runs in this process)
             from dbt_ivm import refresh
 
-            mp.setattr(refresh.chain, "APPEND_AUTO_BYTES", 0)
-            mp.setattr(refresh.chain, "BAG_APPEND_AUTO_BYTES", 0)
+            mp.setattr(refresh.chain, "AUTO_LAYOUT", "append")
         s.run()
         if os.environ.get("DBT_IVM_SCENARIO_FULL", "0") == "1":
             s.run_audit()

@@ -4,8 +4,8 @@ Under ``append`` a refresh appends the window's per-group change (signed partial
 sums) to the state as a layer of rows instead of MERGEing it in place; the
 model's view folds a group's rows (``apply.folded_state``), and every few
 layers the refresh compacts the state back to one row per group. ``auto``
-switches an eligible model (an aggregate of COUNT/SUM/AVG that no incremental_mv
-reads) to it once its state is big. Every step is compared with a full
+keeps states merged (reads win); a state an earlier ``auto`` left as layers is
+rebuilt merged once. Every step is compared with a full
 recompute; the layer bookkeeping is checked in the state's history."""
 
 from __future__ import annotations
@@ -148,8 +148,8 @@ def test_append_layout_of_plain_rows(project, monkeypatch):
     refresh appends the net change (removals as negative rows, no read of the
     state), the view sums only the rows with removals, compaction brings back
     unit rows. ``rows_auto`` starts under the merge layout (unit rows, then
-    consolidated by its first MERGE: counts > 1) and switches: the view must
-    read both forms."""
+    consolidated by its first MERGE: counts > 1) and switches, as an ``auto``
+    that chose append (chain.AUTO_LAYOUT) would: the view must read both forms."""
     monkeypatch.setattr(refresh.incremental, "MAX_LAYERS", 3)
     monkeypatch.setattr(refresh.incremental, "LAYER_FRACTION", 1e9)
     models = ("rows_append", "rows_auto")
@@ -164,7 +164,7 @@ def test_append_layout_of_plain_rows(project, monkeypatch):
     _exact(out, "rows_auto")
     assert out.response("rows_auto")["rows"].get("consolidated") == 1, out.response("rows_auto")
     assert _layout("rows_auto") == "merge" and _state_rows("rows_auto") < visible + 1
-    monkeypatch.setattr(refresh.chain, "BAG_APPEND_AUTO_BYTES", 1)
+    monkeypatch.setattr(refresh.chain, "AUTO_LAYOUT", "append")
     steps = [
         # a copy of duplicated rows goes (one of two (g, v) rows differing only in k), rows come in twice
         [f"delete from {SRC}.t where k = 2 and v = 50", f"insert into {SRC}.t values (2, 'g2', 50, 0.0), "
@@ -222,39 +222,50 @@ def test_avg_of_a_decimal_rounds_as_spark_does(project):
         (1, "0.000000", 12), (2, "0.004545", 11)]
 
 
-def test_auto_layout_switches_big_states_and_back_to_merge(project, monkeypatch):
+def test_auto_keeps_states_merged_and_merges_an_earlier_autos_layers(project, monkeypatch):
     out = project.dbt("run", "--select", "grown")
-    assert out.code("grown") == "CREATE" and _layout("grown") == "merge"  # auto starts as merge
-    sql(f"insert into {SRC}.t values (7, 'g0', 70, 1.0)")
-    out = project.dbt("run", "--select", "grown")
-    _exact(out, "grown")
-    assert _layout("grown") == "merge" and "appended" not in (out.response("grown").get("rows") or {})
+    assert out.code("grown") == "CREATE" and _layout("grown") == "merge"
+    for change in (f"insert into {SRC}.t values (7, 'g0', 70, 1.0)", f"delete from {SRC}.t where k = 7"):
+        sql(change)
+        out = project.dbt("run", "--select", "grown")
+        _exact(out, "grown")
+        assert out.code("grown") == "INCREMENTAL" and _layout("grown") == "merge"
+        assert "appended" not in (out.response("grown").get("rows") or {}), out.response("grown")
 
-    # a state is "big" from APPEND_AUTO_BYTES written by one of its commits:
-    # lowered to one byte here (the reading of the history and the switch are the same code)
-    monkeypatch.setattr(refresh.chain, "APPEND_AUTO_BYTES", 1)
-    sql(f"delete from {SRC}.t where k = 7")
-    out = project.dbt("run", "--select", "grown")
-    _exact(out, "grown")
-    assert out.code("grown") == "INCREMENTAL" and "appended" in out.response("grown")["rows"]
-    assert _layout("grown") == "append"
-    monkeypatch.setattr(refresh.chain, "APPEND_AUTO_BYTES", 1 << 40)  # once append, it stays append
+    # a state an earlier dbt-ivm's auto kept as layers (its choice, restored here)
+    monkeypatch.setattr(refresh.chain, "AUTO_LAYOUT", "append")
     sql(f"insert into {SRC}.t values (8, 'g1', 80, 1.0)")
     out = project.dbt("run", "--select", "grown")
     _exact(out, "grown")
     assert _layout("grown") == "append" and "appended" in out.response("grown")["rows"]
-
-    # told to merge: the layers go by a rebuild (a config change, allowed under any policy)
-    project.write("models/grown.sql", GROWN % ", ivm_state_layout='merge', ivm_policy='incremental'")
+    monkeypatch.undo()
+    # continue keeps it as built, with a warning; fail fails, writing nothing
     sql(f"update {SRC}.t set v = v + 1 where k = 8")
+    for on_change, code in (("continue", "INCREMENTAL"), ("fail", None)):
+        project.write("models/grown.sql", GROWN % f", on_configuration_change='{on_change}'")
+        before = sql(f"describe history {OUT}.grown__ivm_state")[0].version
+        out = project.dbt("run", "--select", "grown")
+        if code is None:
+            message = out.results["grown"].message
+            assert not out.success and "keeps the state merged" in message, message
+            assert sql(f"describe history {OUT}.grown__ivm_state")[0].version == before
+        else:
+            _exact(out, "grown")
+            assert out.code("grown") == code and _layout("grown") == "append", out.response("grown")
+            assert any("keeps its layout" in w for w in out.response("grown")["warnings"]), out.response("grown")
+            sql(f"update {SRC}.t set v = v + 1 where k = 8")
+    # the default (apply): rebuilt merged once, naming why, then MERGEd
+    project.write("models/grown.sql", GROWN % "")
     out = project.dbt("run", "--select", "grown")
     _exact(out, "grown")
     assert out.code("grown") == "FULL" and out.response("grown")["reason"] == "STATE_LAYOUT_CHANGED"
+    assert "keeps the state merged" in out.response("grown")["reason_detail"], out.response("grown")
     assert _layout("grown") == "merge"
     sql(f"update {SRC}.t set v = v + 1 where k = 8")
     out = project.dbt("run", "--select", "grown")
     _exact(out, "grown")
     assert out.code("grown") == "INCREMENTAL" and "updated" in out.response("grown")["rows"]
+    assert _layout("grown") == "merge"
 
 
 def test_a_reader_of_an_append_model_rebuilds_with_a_reason(project, tmp_path):

@@ -594,19 +594,16 @@ MINMAX = "select i, max(v) as m from db.a group by i"
 
 
 @pytest.mark.parametrize("setting,sql,readers,had,incremental,written,expected", [
-    ("auto", SUMS, False, "merge", True, 3 << 20, "append"),  # a big state: append
-    ("auto", SUMS, False, "merge", True, 1 << 20, "merge"),  # small: merge
-    ("auto", SUMS, False, "append", True, 0, "append"),  # once append, it stays append
-    ("auto", SUMS, False, "merge", False, 3 << 20, "merge"),  # a rebuild keeps what the state had
-    ("auto", SUMS, False, "append", False, 0, "append"),
-    ("auto", SUMS, True, "append", True, 3 << 20, "merge"),  # an incremental_mv reads it: rows, not layers
-    ("auto", MINMAX, False, "merge", True, 3 << 20, "merge"),  # MIN/MAX cannot be summed
-    ("auto", "select distinct i from db.a", False, "merge", True, 3 << 20, "merge"),
-    ("auto", "select i, v from db.a", False, "merge", True, 3 << 20, "merge"),  # plain rows: from 16 MiB
-    ("auto", "select i, v from db.a", False, "merge", True, 20 << 20, "append"),
-    ("auto", "select i, v from db.a", True, "merge", True, 3 << 20, "merge"),
+    ("auto", SUMS, False, "merge", True, 3 << 20, "merge"),  # reads win: merged at any size
+    ("auto", SUMS, False, "merge", True, 1 << 40, "merge"),
+    ("auto", SUMS, False, "append", True, 0, "merge"),  # an earlier auto's layers: merged (rebuilt, see below)
+    ("auto", SUMS, False, "append", False, 0, "merge"),
+    ("auto", SUMS, True, "append", True, 3 << 20, "merge"),
+    ("auto", MINMAX, False, "merge", True, 3 << 20, "merge"),
+    ("auto", "select i, v from db.a", False, "merge", True, 200 << 20, "merge"),
     ("merge", SUMS, False, "append", True, 3 << 20, "merge"),  # told
     ("append", SUMS, False, "merge", True, 0, "append"),
+    ("append", "select i, v from db.a", False, "merge", False, 0, "append"),
 ])
 def test_state_layout_follows_plan_readers_and_size(setting, sql, readers, had, incremental, written, expected):
     from dbt_ivm.config import Config
