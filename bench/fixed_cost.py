@@ -71,12 +71,16 @@ class Ui:
     def __init__(self, spark):
         self.base = spark.sparkContext.uiWebUrl.rstrip("/") + "/api/v1/applications/" + spark.sparkContext.applicationId
 
-    def jobs(self, since_ms: int, until_ms: int) -> tuple[int, float]:
-        """(jobs submitted in [since, until] (ms since the epoch), their seconds)."""
+    def jobs(self, since_ms: int, until_ms: int) -> tuple[int, float, list]:
+        """(jobs submitted in [since, until] (ms since the epoch), their seconds,
+        each job's [seconds, description]: Delta names its jobs, e.g. a MERGE's
+        "scanning files for matches" and "writing modified data")."""
         with urllib.request.urlopen(self.base + "/jobs", timeout=30) as r:
             jobs = json.loads(r.read())
-        mine = [j for j in jobs if since_ms <= (_ms(j.get("submissionTime")) or 0) <= until_ms]
-        return len(mine), sum(_seconds(j) for j in mine)
+        mine = sorted((j for j in jobs if since_ms <= (_ms(j.get("submissionTime")) or 0) <= until_ms),
+                      key=lambda j: j.get("jobId", 0))
+        detail = [[round(_seconds(j), 3), (j.get("description") or j.get("name") or "")[:120]] for j in mine]
+        return len(mine), sum(_seconds(j) for j in mine), detail
 
 
 def _ms(text):
@@ -114,6 +118,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--driver-memory", default="8g")
     p.add_argument("--shuffle-partitions", default="8")
     p.add_argument("--name", default="fixed-cost")
+    p.add_argument("--policy", choices=("auto", "incremental", "full"), default="auto",
+                   help="ivm_policy of the models (incremental: the incremental path whatever auto would choose)")
     a = p.parse_args()
     a.rows = size_arg(a.rows)
     a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
@@ -121,7 +127,7 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}")
     # what Bench reads
-    a.policy, a.resume = "auto", False
+    a.resume = False
     return a
 
 
@@ -159,10 +165,10 @@ def main() -> None:
             for secs, text in ran:
                 by[category(text)] += secs
             by["outside Spark"] = max(0.0, seconds - sum(by.values()))
-            n_jobs, jobs = ui.jobs(since, until)
+            n_jobs, jobs, job_detail = ui.jobs(since, until)
             runs.append({"shape": shape, "repeat": rep, "seconds": seconds, "code": response.get("code"),
                          "reason": response.get("reason"), "statements": len(ran), "jobs": jobs, "n_jobs": n_jobs,
-                         **{k: by.get(k, 0.0) for k in CATEGORIES}, "detail": ran})
+                         **{k: by.get(k, 0.0) for k in CATEGORIES}, "detail": ran, "job_detail": job_detail})
             print(f"  round {rep + 1} {shape}: {seconds:.2f}s {response.get('code')} "
                   f"({len(ran)} statements, {n_jobs} jobs {jobs:.2f}s)", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)

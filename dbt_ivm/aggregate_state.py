@@ -19,7 +19,7 @@ from dbt_ivm.sqltree import (aliased, call, case, cast, coalesce, col, cte, hint
                              paren, select)
 from dbt_ivm.sqltree import alias as as_
 from dbt_ivm.state_rows import COUNT, Node, col_list, plus_cols, state_ref, state_rows, unit_weights
-from dbt_ivm.topk import guarded, merged_top, minmax, runs_out, top_k
+from dbt_ivm.topk import guarded, merged_top, minmax, runs_out, top_k, top_one
 
 RC = f"{PREFIX}rc"
 
@@ -34,9 +34,17 @@ def _sum_if(cond: Node, value: Node) -> Node:
     return coalesce(exp.Sum(this=case(cond, value, num(0))), num(0))
 
 
+def thin_build(plan: Optional[Plan]) -> bool:
+    """A whole build of this plan's state keeps each MIN/MAX group's extreme
+    value alone (a top-1 prefix, topk.top_one): an aggregate with MIN/MAX whose
+    snapshot rows all weigh 1. Its next refresh probes first (Watermark.thin)."""
+    return plan is not None and plan.kind == AGGREGATE and plan.has_minmax and unit_weights(plan)
+
+
 def _aggregate_input(plan: Plan, rel: exp.Query, unit: bool = False) -> exp.Select:
     """Per-group state changes of a weighted relation (a delta, or with ``unit``
-    a snapshot whose rows all weigh 1)."""
+    a snapshot whose rows all weigh 1: a whole build, whose MIN/MAX keep a
+    top-1 prefix, as cheap as the plain aggregate; topk.top_one)."""
     keys = col_list(_keys(plan))
     heap = plan.target.topk_by
     cols = [as_(coalesce(exp.Sum(this=col(W)), num(0)), COUNT)]
@@ -48,7 +56,8 @@ def _aggregate_input(plan: Plan, rel: exp.Query, unit: bool = False) -> exp.Sele
             cols.append(as_(_sum_if(exp.Not(this=exp.Is(this=x.copy(), expression=exp.Null())), col(W)),
                             a.col("nn")))
         if a.func in ("min", "max"):
-            cols.append(as_(top_k(a, x.copy(), col(W), unit, heap), a.col("ins")))  # the most extreme values added
+            added = top_one(a, x.copy()) if unit else top_k(a, x.copy(), col(W), heap=heap)
+            cols.append(as_(added, a.col("ins")))  # the most extreme values added
             if not unit:  # a snapshot removes nothing
                 cols.append(as_(top_k(a, x.copy(), exp.Neg(this=col(W)), heap=heap), a.col("del")))  # ... and removed
                 removed = exp.and_(exp.Not(this=exp.Is(this=x.copy(), expression=exp.Null())),

@@ -45,6 +45,17 @@ def top_k(a, x: Node, weight: Node, unit: bool = False, heap: bool = True) -> No
                 num(1), num(TOP_K))
 
 
+def top_one(a, x: Node) -> Node:
+    """The most extreme value of ``x`` over a snapshot's rows (weight 1 each) as
+    a top-1 prefix (empty where every ``x`` is NULL): what a whole build keeps.
+    A native MIN/MAX, as cheap as the plain aggregate; the TOP_K heap
+    (min_by/max_by with k, a sort-based aggregate) cost a rebuild 3-4x a
+    plain table. merged_top keeps a prefix of any length exact, and a group
+    whose prefix runs out is recomputed to its top TOP_K (top_k over its rows
+    alone): the groups whose extremes go are the ones that get deep."""
+    return call("array_compact", call("array", exp.Min(this=x) if a.func == "min" else exp.Max(this=x)))
+
+
 def merged_top(a, t: str, s: str) -> Node:
     """A state row's top-k after a change: ``t.top`` holds the group's k' most
     extreme values (a prefix of the sorted group; all of it when k' = t.nn).

@@ -14,7 +14,7 @@ from typing import Optional
 from dbt_ivm import apply
 from dbt_ivm.config import APPEND, MERGE, Config
 from dbt_ivm.errors import DefinitionChanged, IvmConfigError, IvmError, Reason
-from dbt_ivm.plan import AGGREGATE, Plan
+from dbt_ivm.plan import AGGREGATE, BAG, Plan
 from dbt_ivm.refresh.context import Choice, Facts, Settings
 from dbt_ivm.refresh.definition import FAIL_HINT, differences, in_place
 from dbt_ivm.refresh.decide import cheapest, decide, estimates, partition_floor, too_large
@@ -22,14 +22,26 @@ from dbt_ivm.refresh.values import _REBUILD_REASONS, FULL, INCREMENTAL, NOOP, PA
 from dbt_ivm.refresh.watermark import Watermark
 
 
-# What ivm_state_layout='auto' keeps: merged rows (one per group, or per
-# distinct row), at any size. The append layout writes only the change but
-# makes every read of the model fold the layers: measured at 1 M rows, a full
-# read of a join + aggregate 2.4x and of a join projection 3.3x the same read
-# of a plain table (BENCHMARKS.md). A view is read far more often than it is
-# refreshed, so reads win unless the model asks for append. (The scenario
-# suite sets APPEND here to run every eligible model through that layout.)
+# What ivm_state_layout='auto' keeps an aggregate's state as: merged rows (one
+# per group), at any size. The append layout writes only the change but makes
+# every read of the model fold the layers: measured at 10 M rows, a full read
+# of a join + aggregate 5.2x the same read of a plain table under append and
+# 1.2x merged, while its MERGE refresh still cost 0.86 of the table
+# (BENCHMARKS.md). A view is read far more often than it is refreshed, so
+# reads win. (The scenario suite sets APPEND here to run every eligible model
+# through that layout.)
 AUTO_LAYOUT = MERGE
+
+
+# A model of plain rows is kept as appended layers once a commit of its state
+# wrote this much. Its MERGE matches every state row on every column, and
+# Delta's MERGE with deletion vectors passes over every file it touches three
+# times (matching, writing the changed rows, writing the vectors; a change
+# spread over the keys touches them all): at 10 M rows (a 200 MiB state) 15.7 s
+# against a 6 s table, so the cost rule rebuilds every time (1.4x the table);
+# appended, the refresh costs 0.26 of it and a read 3x (BENCHMARKS.md). At
+# 1 M rows (20 MiB) the MERGE is near a rebuild and the read wins.
+BAG_APPEND_AUTO_BYTES = 64 << 20
 
 
 # ivm_deletion_vectors='auto' turns them on once a commit of the state table
@@ -301,15 +313,19 @@ def settle_layout(config: Config, plan: Optional[Plan], old: Optional[Watermark]
     change as a layer of rows and the view sums a group's rows (folded_state);
     compacted every few layers. An append writes only the change (a MERGE
     rewrites or marks every state file the change touches), at the cost of
-    reads that aggregate. 'auto' is AUTO_LAYOUT (merge) where the plan can be
-    layered and no incremental_mv reads the model, else merge; a state an
-    earlier dbt-ivm's 'auto' left as layers is rebuilt merged at its next
-    refresh (select_strategy: STATE_LAYOUT_CHANGED)."""
+    reads that aggregate. 'auto', where the plan can be layered and no
+    incremental_mv reads the model: a model of plain rows switches to append
+    once a commit of its state wrote BAG_APPEND_AUTO_BYTES (read from the
+    history, no query) and stays there; an aggregate is AUTO_LAYOUT (merge),
+    and one an earlier dbt-ivm's 'auto' left as layers is rebuilt merged at
+    its next refresh (choose: STATE_LAYOUT_CHANGED). Else merge."""
     want = config.state_layout
     if want != "auto":
         return want
     if not apply.append_eligible(plan) or config.mv_dependents or old is None:
         return MERGE
+    if plan.kind == BAG and (old.layout == APPEND or (incr and old.written_bytes >= BAG_APPEND_AUTO_BYTES)):
+        return APPEND
     return AUTO_LAYOUT
 
 

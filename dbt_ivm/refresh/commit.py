@@ -198,7 +198,7 @@ def watermark(ctx: Context, decision: Decision, sig: str, types: dict, sums: dic
         partition_by=list(ctx.partition_by),
         strategy=decision.strategy, reason=decision.reason.code if decision.reason else "",
         change_feed=ctx.settings.change_feed, run=ctx.run_id, deletion_vectors=ctx.settings.deletion_vectors,
-        recomputed=written.recomputed, layout=ctx.settings.layout, started=ctx.started, settled=written.settled,
+        recomputed=written.recomputed, thin=written.thin, layout=ctx.settings.layout, started=ctx.started, settled=written.settled,
         rebuild_seconds=old.costs.get("full") if old is not None else None, units=written.units,
         keyed_layers=True, changes=choice.changes if decision.strategy == INCREMENTAL else None,
         view=written.view_key if written.view_key is not None else (old.view if old else ""),

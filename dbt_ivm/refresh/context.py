@@ -143,6 +143,7 @@ class Written:
 
     units: bool = False  # a plain-row state rebuilt as unit rows (Watermark.units)
     recomputed: int = 0  # MIN/MAX groups recomputed
+    thin: bool = False  # MIN/MAX groups built with their extreme alone (Watermark.thin)
     settled: bool = False  # the state's properties or layout changed
     view_key: Optional[str] = None  # digest of the view statement (None: the one recorded)
     replaced: Optional[int] = None  # partitions replaced

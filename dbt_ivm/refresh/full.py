@@ -80,7 +80,8 @@ def run(ctx: Context) -> Outcome:
     if same:
         commit.set_properties(ctx, old)
     # (a rebuild's cost includes any property change: it is not marked settled)
-    wm = commit.watermark(ctx, decision, sig, types, sums, Written(units=kind == BAG, view_key=key))
+    wm = commit.watermark(ctx, decision, sig, types, sums, Written(units=kind == BAG, view_key=key,
+                                                                       thin=aggregate_state.thin_build(plan)))
     # Column names Delta stores only under column mapping, and Delta refuses
     # a CREATE ... AS SELECT with column mapping while a change feed is on:
     # such a state is created (with the watermark) without the feed, and the

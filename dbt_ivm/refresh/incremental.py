@@ -109,8 +109,9 @@ def _statements(ctx: Context, shared: _Pieces, window: Window) -> Outcome:
     # MIN/MAX, optimistic first: nearly always no group's kept top-k runs out,
     # so the MERGE runs without a probe; if one does run out, the MERGE fails
     # before it commits (topk.RAN_OUT) and the refresh probes. After a
-    # refresh that had to recompute groups, the next one probes first.
-    if not watermark.recomputed:
+    # refresh that had to recompute groups, or a build that kept each group's
+    # extreme alone (Watermark.thin), the next one probes first.
+    if not watermark.recomputed and not watermark.thin:
         try:
             return merge(ctx, shared, window, out)
         except Exception as e:

@@ -25,7 +25,7 @@ from typing import Optional, Union
 
 from sqlglot import exp
 
-from dbt_ivm import apply
+from dbt_ivm import aggregate_state, apply
 from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
 from dbt_ivm.errors import IvmError, Reason
 from dbt_ivm.names import canonical, display
@@ -143,6 +143,7 @@ def run(ctx: Context) -> Outcome:
     key = commit.view_in_step(ctx, ctx.plan, kind, columns, watermark.typed())
     wm = commit.watermark(ctx, Decision(PARTITION, ctx.decision.reason), watermark.signature, watermark.columns,
                           watermark.sums, Written(units=kind == BAG, settled=settled or key is not None,
+                                                  thin=aggregate_state.thin_build(ctx.plan),
                                                   replaced=len(change.values), view_key=key))
     with commit.committing(ctx, wm, watermark.commit_version):
         failpoint("before_commit", ctx.relation)

@@ -50,6 +50,8 @@ class Watermark:
     dv_merges: int = 0  # ... and the MERGEs that left deletion vectors since the state was last rewritten
     written_bytes: int = 0  # ... and the most bytes one of its recent commits wrote (see written_bytes)
     recomputed: int = 0  # MIN/MAX groups its refresh recomputed (> 0: the next one probes first)
+    thin: bool = False  # its build kept each MIN/MAX group's extreme alone (aggregate_state.thin_build): the
+    # next refresh probes first
     layout: str = MERGE  # the state's layout (ivm_state_layout; written before it was recorded: merge)
     layers: Layers = Layers()  # ... and append_layers of its recent commits
     foreign: str = ""  # ... and a write of the state made outside dbt-ivm since (foreign_write)

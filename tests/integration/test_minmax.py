@@ -1,6 +1,7 @@
-"""MIN/MAX through the bounded top-k state (topk.TOP_K values per group): removed
-extremes are replaced from the state, added values beyond the kept prefix stay
-out of it, and a group whose top-k runs out is recomputed from the sources."""
+"""MIN/MAX through the bounded top-k state (a prefix of up to topk.TOP_K values
+per group; a build keeps the extreme alone): removed extremes are replaced from
+the state, added values beyond the kept prefix stay out of it, and a group whose
+prefix runs out is recomputed from the sources, to its top TOP_K."""
 
 from __future__ import annotations
 
@@ -48,34 +49,46 @@ def _tops() -> dict:
     return {r[0]: (len(r[1]), r[2]) for r in sql(f"select g, __ivm_a0_top, __ivm_a0_nn from {OUT}.mm__ivm_state")}
 
 
-def test_removed_extremes_come_from_the_state(project):
-    assert _tops()["a"] == (TOP_K, N)
-    sql(f"delete from {SRC}.t where g = 'a' and v in (1, 2, {N}, {N - 1})")  # both ends
+def test_a_build_keeps_the_extremes_alone_and_a_refresh_deepens_the_groups_that_lose_them(project):
+    # a whole build keeps each group's extreme alone (a native MIN/MAX, as
+    # cheap as the plain aggregate): a prefix of one, with duplicates too ('b')
+    assert _tops()["a"] == (1, N) and _tops()["b"] == (1, 2 * N)
+    sql(f"delete from {SRC}.t where g = 'a' and v in (1, {N})")  # a's min and max go
     r = _refresh(project)
-    assert _tops()["a"] == (TOP_K - 2, N - 4)  # served from the kept prefix
+    # the build was thin, so this refresh probed first (no failed MERGE):
+    # only 'a' ran out, and it is recomputed to its top-k
+    assert r["rows"]["recomputed_groups"] == 1, r
+    assert "ran out" not in r["_message"], r
+    assert _tops()["a"] == (TOP_K, N - 2) and _tops()["b"] == (1, 2 * N)
+
+
+def test_removed_extremes_come_from_the_state(project):
+    sql(f"delete from {SRC}.t where g = 'a' and v in (2, 3, {N - 1}, {N - 2})")  # both ends
+    r = _refresh(project)
+    assert _tops()["a"] == (TOP_K - 2, N - 6)  # served from the kept prefix, 4..TOP_K+1
     assert "recomputed_groups" not in (r.get("rows") or {}), r
 
 
 def test_added_values_beyond_the_prefix_stay_out(project):
-    # 'a' keeps 3..TOP_K now: a new value above that prefix cannot join it (values
+    # 'a' keeps 4..TOP_K+1 now: a new value above that prefix cannot join it (values
     # between them are not in the state), a value inside it can, as a second copy;
-    # 'b' (every value twice, prefix full) gets a third 1, and its last kept value drops out
-    sql(f"insert into {SRC}.t values ('a', {TOP_K + 5}, 1.0), ('a', 3, null), ('b', 1, 0.5)")
+    # 'b' (every value twice, its min alone kept) gets a third 1, which joins it
+    sql(f"insert into {SRC}.t values ('a', {TOP_K + 5}, 1.0), ('a', 4, null), ('b', 1, 0.5)")
     _refresh(project)
-    assert _tops()["a"] == (TOP_K - 1, N - 2)
-    assert _tops()["b"] == (TOP_K, 2 * N + 1)
+    assert _tops()["a"] == (TOP_K - 1, N - 4)
+    assert _tops()["b"] == (2, 2 * N + 1)
 
 
 def test_a_group_whose_prefix_runs_out_is_recomputed(project):
     # remove every value the state keeps for 'a' (and some more): only a recompute
-    # from the source can know the next minimum
+    # from the source can know the next minimum; 'b' loses every copy of its min
     sql(f"delete from {SRC}.t where g = 'a' and v <= {TOP_K + 3}")
-    sql(f"update {SRC}.t set v = v + 1000 where g = 'b' and v = 1")  # b loses both copies of its min
+    sql(f"update {SRC}.t set v = v + 1000 where g = 'b' and v = 1")
     r = _refresh(project)
-    assert _tops()["a"][0] == TOP_K  # refilled
+    assert _tops()["a"][0] == TOP_K and _tops()["b"][0] == TOP_K  # refilled
     assert r["code"] == "INCREMENTAL"
-    assert r["rows"]["recomputed_groups"] == 1, r  # only 'a': 'b' keeps values of its min and max
-    # the optimistic MERGE (no probe) found 'a' ran out, failed, wrote nothing; then probe + MERGE
+    assert r["rows"]["recomputed_groups"] == 2, r
+    # the optimistic MERGE (no probe) found they ran out, failed, wrote nothing; then probe + MERGE
     assert "ran out: probed, then merged again" in r["_message"], r
 
 

@@ -460,6 +460,11 @@ def test_minmax_statements_fit_the_spark_they_run_on(spark, heap):
     assert all(len(c.expressions) == 3 for c in calls)
     if not heap:
         assert any(c.name.lower() == "sort_array" for s in statements for c in s.find_all(exp.Anonymous))
+    # a whole build keeps each group's extreme alone, with a native MIN/MAX on every line
+    build = statements[0]
+    assert not [c for c in build.find_all(exp.Anonymous) if c.name.lower() in ("min_by", "max_by", "collect_list")]
+    assert len(list(build.find_all(exp.Min))) == 1 and len(list(build.find_all(exp.Max))) == 1
+    assert aggregate_state.thin_build(plan)
 
 
 def test_a_cte_defined_twice_in_one_with_is_a_config_error():

@@ -325,12 +325,13 @@ class _RanOut(_Recorder):
         return [(1, 1, 0, 0)] if sql.startswith("MERGE") else []
 
 
-@pytest.mark.parametrize("last_recomputed,groups,expected", [
-    (0, 0, ["MERGE"]),  # optimistic: no probe at all
-    (0, 2, ["MERGE", "CACHE", "CACHE", "SELECT", "MERGE", "DROP", "DROP"]),  # ran out: probe, merge again
-    (3, 0, ["CACHE", "CACHE", "SELECT", "MERGE", "DROP", "DROP"]),  # the last refresh recomputed: probe first
+@pytest.mark.parametrize("last_recomputed,thin,groups,expected", [
+    (0, False, 0, ["MERGE"]),  # optimistic: no probe at all
+    (0, False, 2, ["MERGE", "CACHE", "CACHE", "SELECT", "MERGE", "DROP", "DROP"]),  # ran out: probe, merge again
+    (3, False, 0, ["CACHE", "CACHE", "SELECT", "MERGE", "DROP", "DROP"]),  # the last refresh recomputed: probe first
+    (0, True, 2, ["CACHE", "CACHE", "SELECT", "MERGE", "DROP", "DROP"]),  # a build kept the extremes alone: too
 ])
-def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, groups, expected):
+def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, thin, groups, expected):
     from dbt_ivm.catalog import Catalog
     from dbt_ivm.plan import build_plan
     from dbt_ivm.refresh import commit, incremental
@@ -341,7 +342,8 @@ def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, gro
     plan = build_plan(sql_text, Catalog({"db.a": src}))
     old = Watermark("sig", "aggregate", sql_text, {"i": "int", "mn": "int"},
                     [{"name": "db.a", "kind": "delta", "physical": "db.a", "multiplicity": None,
-                      "columns": [["i", "int"], ["j", "int"]], "version": 5}], recomputed=last_recomputed)
+                      "columns": [["i", "int"], ["j", "int"]], "version": 5}], recomputed=last_recomputed,
+                    thin=thin)
     ex = _RanOut(groups)
     ctx = context(ex, sql_text, watermark=old, plan=plan, sources=[src])
     types = old.typed()  # the view as the build made it: in step, not re-created
@@ -353,7 +355,8 @@ def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, gro
     committed = [s for s in ex.sql if s.startswith("SET spark.databricks.delta.commitInfo.userMetadata=")]
     written = Watermark.from_json(committed[-1].split("=", 1)[1].strip("`").replace("``", "`"))
     assert written.recomputed == groups  # what the written watermark records
-    assert bool(out.notes) == (last_recomputed == 0 and groups > 0)
+    assert bool(out.notes) == (last_recomputed == 0 and not thin and groups > 0)
+    assert not written.thin  # a refresh's MERGE: what it recomputed tells the next one
 
 
 # --------------------------------------------------------------------------- state layout
@@ -600,7 +603,11 @@ MINMAX = "select i, max(v) as m from db.a group by i"
     ("auto", SUMS, False, "append", False, 0, "merge"),
     ("auto", SUMS, True, "append", True, 3 << 20, "merge"),
     ("auto", MINMAX, False, "merge", True, 3 << 20, "merge"),
-    ("auto", "select i, v from db.a", False, "merge", True, 200 << 20, "merge"),
+    ("auto", "select i, v from db.a", False, "merge", True, 20 << 20, "merge"),  # plain rows: from 64 MiB
+    ("auto", "select i, v from db.a", False, "merge", True, 200 << 20, "append"),
+    ("auto", "select i, v from db.a", False, "append", True, 0, "append"),  # ... and they stay
+    ("auto", "select i, v from db.a", False, "merge", False, 200 << 20, "merge"),  # a rebuild keeps the layout
+    ("auto", "select i, v from db.a", True, "merge", True, 200 << 20, "merge"),  # an incremental_mv reads it
     ("merge", SUMS, False, "append", True, 3 << 20, "merge"),  # told
     ("append", SUMS, False, "merge", True, 0, "append"),
     ("append", "select i, v from db.a", False, "merge", False, 0, "append"),
