@@ -7,8 +7,8 @@ splits dbt's model time into
 
 - ``metadata``: catalog and log reads (DESCRIBE, SHOW, DESCRIBE HISTORY, SET);
 - ``write``: the refresh's write (MERGE, INSERT, CREATE TABLE) and its jobs;
-- ``view``: CREATE VIEW / ALTER TABLE (metadata commits);
-- ``reads``: other queries (change counts, probes);
+- ``view``: CREATE VIEW / ALTER TABLE / DROP (metadata commits);
+- ``reads``: other queries (change counts, probes, cached pieces);
 - ``outside Spark``: dbt, the compiler, Py4J — the model time no statement covers;
 
 and each statement's time into Spark jobs and the rest (planning, the Delta
@@ -60,7 +60,9 @@ def category(statement: str) -> str:
     if words[0] in ("MERGE", "INSERT", "DELETE", "UPDATE") or head in ("CREATE TABLE", "REPLACE TABLE") \
             or head.startswith("CREATE OR") and "TABLE" in words[:4]:
         return "write"
-    if words[0] in ("ALTER", "DROP", "CACHE", "UNCACHE") or "VIEW" in words[:4]:
+    if words[0] in ("CACHE", "UNCACHE"):  # a refresh's cached pieces (the MIN/MAX probe): computed, so reads
+        return "reads"
+    if words[0] in ("ALTER", "DROP") or "VIEW" in words[:4]:
         return "view"
     return "reads"
 
