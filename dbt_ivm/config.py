@@ -49,8 +49,9 @@ KEYS = {
                                                        "a full rebuild"),
     "ivm_cost_rule": ("cost_rule", "auto (under ivm_policy 'auto', take the strategy the state's measured costs "
                                    "estimate cheapest), off"),
-    "ivm_state_layout": ("state_layout", "auto (merge: reads win), merge, append (writes only the "
-                                         "change, each read folds the layers)"),
+    "ivm_state_layout": ("state_layout", "auto (an aggregate merged; plain rows merged, appended from "
+                                         "a 64 MiB state), merge, append (writes only the change, each "
+                                         "read folds the layers)"),
     "ivm_change_feed": ("change_feed", "auto (on when an incremental_mv of this project reads this model), "
                                        "true, false"),
     "ivm_deletion_vectors": ("deletion_vectors", f"auto (on once the state table is {AUTO_BYTES >> 20} MiB), "
