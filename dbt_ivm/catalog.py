@@ -14,6 +14,7 @@ from dbt_ivm import names
 DELTA = "delta"  # a Delta table: snapshots by VERSION AS OF, changes by table_changes
 MV = "mv"  # another incremental_mv: read through its Delta state table
 OTHER = "other"  # anything else (parquet table, plain view...): only full rebuilds
+ICEBERG = "iceberg"  # an Iceberg table: snapshots by VERSION AS OF <snapshot id>, changes by its changelog
 LAYERED = "layered"  # an incremental_mv whose state is appended layers: read through its view, full rebuilds
 
 
@@ -41,6 +42,9 @@ class Source:
     # the partition's file names, sizes and modification times) pairs, or None
     # when they could not be listed (a view, a table without a location).
     listing: Optional[tuple] = None
+    # An Iceberg table: its main branch's snapshots, newest first, from the
+    # current one (``version``, a snapshot id) back (dbt_ivm.iceberg.lineage).
+    lineage: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "name", names.canonical(self.name))

@@ -29,8 +29,8 @@ from typing import Optional
 
 from sqlglot import exp
 
-from dbt_ivm.catalog import Source
-from dbt_ivm import names
+from dbt_ivm.catalog import ICEBERG, Source
+from dbt_ivm import iceberg, names
 from dbt_ivm.names import PREFIX, canonical
 from dbt_ivm.planner import Block, Keyed, Node, Scan, UnionAll
 
@@ -184,12 +184,32 @@ def table_changes(table: str, start: int, end: int) -> exp.Table:
 
 
 def _scan_delta(source: Source, window: Window) -> exp.Query:
+    if source.kind == ICEBERG:
+        return _iceberg_delta(source, window)
     start = int(window.old[source.physical]) + 1
     end = int(window.new[source.physical])
     added = exp.column("_change_type").isin(exp.Literal.string("insert"), exp.Literal.string("update_postimage"))
     weight = exp.Case(ifs=[exp.If(this=added, true=_weight(source))], default=exp.Neg(this=_weight(source)))
     return exp.select(*_columns(source), exp.alias_(weight, W, quoted=True)).from_(
         table_changes(source.physical, start, end))
+
+
+def changelogs(sources: list[Source], window: Window) -> list[exp.Expression]:
+    """The statements that create the changelog views the window's Iceberg
+    deltas read (dbt_ivm.iceberg), to run before any statement reading them."""
+    return [iceberg.create_changelog(s.physical, window.old[s.physical], window.new[s.physical],
+                                     iceberg.changelog_view(s.physical, window.old[s.physical], window.new[s.physical]))
+            for s in sources if s.kind == ICEBERG and window.changed(s)]
+
+
+def _iceberg_delta(source: Source, window: Window) -> exp.Query:
+    """An Iceberg source's change: its changelog view (``changelogs``), +w for
+    an added row, -w for a removed one."""
+    start, end = int(window.old[source.physical]), int(window.new[source.physical])
+    added = exp.column("_change_type").isin(*(exp.Literal.string(t) for t in iceberg.ADDED))
+    weight = exp.Case(ifs=[exp.If(this=added, true=_weight(source))], default=exp.Neg(this=_weight(source)))
+    view = exp.Table(this=exp.to_identifier(iceberg.changelog_view(source.physical, start, end), quoted=True))
+    return exp.select(*_columns(source), exp.alias_(weight, W, quoted=True)).from_(view)
 
 
 # --------------------------------------------------------------------------- block

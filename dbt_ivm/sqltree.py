@@ -219,6 +219,17 @@ def unset_properties(target: names.TableRef, keys: Iterable[str]) -> exp.Command
     return exp.Command(this="ALTER", expression=f"TABLE {render(table(target))} UNSET TBLPROPERTIES IF EXISTS ({keys})")
 
 
+def call_procedure(name: list[str], kwargs: dict) -> exp.Command:
+    """``CALL a.b.proc(k => v, ...)`` (a stored procedure, e.g. Iceberg's; sqlglot
+    has no node for CALL: a command whose name parts and arguments sqlglot renders).
+
+    >>> print(render(call_procedure(["cat", "system", "p"], {"table": string("db.t")})))
+    CALL `cat`.`system`.`p`(table => 'db.t')
+    """
+    args = ", ".join(render(exp.Kwarg(this=exp.var(k), expression=v)) for k, v in kwargs.items())
+    return exp.Command(this="CALL", expression=".".join(render(ident(p)) for p in name) + f"({args})")
+
+
 def at_version(ref: names.TableRef, version: Optional[int]) -> exp.Table:
     """A table read at a version (``VERSION AS OF n``; None: the current one)."""
     t = table(ref)

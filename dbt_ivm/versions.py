@@ -23,15 +23,40 @@ class SparkLine:
     line: str  # "3.5"
     delta_package: str  # the Delta jar's Maven coordinates for this line
     scala: str  # Spark's Scala binary version on this line
+    iceberg_package: Optional[str] = None  # Iceberg's Spark runtime for this line, where one exists
 
 
 # Checked on Maven Central 2026-11-27 (README.md, "Supported versions").
 LINES = {
-    "3.5": SparkLine("3.5", "io.delta:delta-spark_2.12:3.3.2", "2.12"),
-    "4.0": SparkLine("4.0", "io.delta:delta-spark_4.0_2.13:4.4.0", "2.13"),
-    "4.1": SparkLine("4.1", "io.delta:delta-spark_4.1_2.13:4.4.0", "2.13"),
+    "3.5": SparkLine("3.5", "io.delta:delta-spark_2.12:3.3.2", "2.12",
+                     "org.apache.iceberg:iceberg-spark-runtime-3.5_2.12:1.10.0"),
+    "4.0": SparkLine("4.0", "io.delta:delta-spark_4.0_2.13:4.4.0", "2.13",
+                     "org.apache.iceberg:iceberg-spark-runtime-4.0_2.13:1.11.0"),
+    "4.1": SparkLine("4.1", "io.delta:delta-spark_4.1_2.13:4.4.0", "2.13",
+                     "org.apache.iceberg:iceberg-spark-runtime-4.1_2.13:1.12.0"),
     "4.2": SparkLine("4.2", "io.delta:delta-spark_4.2_2.13:4.4.0", "2.13"),
 }
+
+
+def iceberg_package(line: SparkLine) -> str:
+    """Iceberg's Spark runtime jar for ``line``; a clear error where Iceberg
+    publishes none (Spark 4.2, checked 2026-11-27).
+
+    >>> iceberg_package(LINES["3.5"])
+    'org.apache.iceberg:iceberg-spark-runtime-3.5_2.12:1.10.0'
+    >>> iceberg_package(LINES["4.2"])
+    Traceback (most recent call last):
+    ...
+    dbt_ivm.errors.IvmConfigError: The profile names an Iceberg catalog, but Apache Iceberg publishes no Spark runtime for Spark 4.2. Use Spark 3.5, 4.0 or 4.1 for Iceberg sources (pip install "pyspark>=4.1,<4.2"), or set spark.jars.packages in the profile's server_side_parameters to the Delta and Iceberg jars of your Spark.
+    """
+    if line.iceberg_package is None:
+        with_iceberg = [k for k, v in LINES.items() if v.iceberg_package]
+        raise IvmConfigError(
+            f"The profile names an Iceberg catalog, but Apache Iceberg publishes no Spark runtime for Spark "
+            f"{line.line}. Use Spark {', '.join(with_iceberg[:-1])} or {with_iceberg[-1]} for Iceberg sources "
+            '(pip install "pyspark>=4.1,<4.2"), or set spark.jars.packages in the profile\'s '
+            "server_side_parameters to the Delta and Iceberg jars of your Spark.")
+    return line.iceberg_package
 DEFAULT_LINE = "4.2"
 
 

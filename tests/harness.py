@@ -149,7 +149,29 @@ def _test_overrides() -> dict:
         # ("Not enough memory to build and broadcast the table"). The machine has
         # 24 GiB; the thrift tier's cluster runs after this JVM has exited.
         "spark.driver.memory": "6g",
+        **iceberg_catalog(),
     }
+
+
+# The Iceberg catalog of the test session (Hadoop-type, under the workspace)
+# on a Spark line with an Iceberg runtime (dbt_ivm.versions): the adapter's
+# embedded defaults add the runtime jar and Iceberg's SQL extensions for it.
+ICEBERG = "iceberg"
+
+
+def iceberg_available() -> bool:
+    from dbt_ivm.versions import LINES, installed_pyspark
+
+    version = installed_pyspark() or ""
+    return TARGET == "session" and any(version.startswith(k + ".") and v.iceberg_package for k, v in LINES.items())
+
+
+def iceberg_catalog() -> dict:
+    if not iceberg_available():
+        return {}
+    return {f"spark.sql.catalog.{ICEBERG}": "org.apache.iceberg.spark.SparkCatalog",
+            f"spark.sql.catalog.{ICEBERG}.type": "hadoop",
+            f"spark.sql.catalog.{ICEBERG}.warehouse": str(WORKSPACE / "iceberg")}
 
 
 def _session_overrides() -> dict:

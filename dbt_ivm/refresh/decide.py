@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from dbt_ivm.catalog import LAYERED, MV, OTHER, Source
+from dbt_ivm import iceberg
+from dbt_ivm.catalog import ICEBERG, LAYERED, MV, OTHER, Source
 from dbt_ivm.errors import Reason
 from dbt_ivm.refresh.values import CREATE, FULL, INCREMENTAL, NOOP, PARTITION, Decision
 from dbt_ivm.refresh.watermark import Watermark
@@ -307,6 +308,8 @@ def rewound(s: Source, watermark: "Watermark") -> bool:
     """A Delta source (or an incremental_mv's state) whose versions do not go on
     from the one the watermark consumed: recreated, replaced or restored."""
     old = watermark.versions()
+    if s.kind == ICEBERG:  # snapshot ids are not ordered: the consumed one must be an ancestor
+        return iceberg.window(s.lineage, old.get(s.physical), s.version) is None
     return s.physical not in old or s.version is None or s.version < old[s.physical] or _replaced(s, watermark)
 
 
@@ -321,7 +324,7 @@ def changed_sources(watermark: "Watermark", sources: list[Source]) -> list[Sourc
             if s.listing is None or listings.get(s.physical) is None or \
                     [[list(k), d] for k, d in s.listing] != listings[s.physical]:
                 out.append(s)
-        elif s.kind == LAYERED or old.get(s.physical) != s.version or _replaced(s, watermark):
+        elif s.kind == LAYERED or old.get(s.physical) != s.version or (s.kind != ICEBERG and _replaced(s, watermark)):
             out.append(s)
     return out
 
@@ -346,7 +349,15 @@ def incremental_blocker(changed: list[Source], watermark: "Watermark", unsupport
                 f"set ivm_change_feed: true on the incremental_mv {s.name}" if s.kind == MV else
                 f"ALTER TABLE {s.physical} SET TBLPROPERTIES (delta.enableChangeDataFeed = true)")
         if rewound(s, watermark):
+            if s.kind == ICEBERG:
+                return Reason("SOURCE_VERSION_REWOUND", f"the snapshot of source {s.name} the last refresh consumed is "
+                              "not an ancestor of its current snapshot (a rollback, a replaced table, expired "
+                              "snapshots)")
             return Reason("SOURCE_VERSION_REWOUND", f"source {s.name} was recreated or restored since the last refresh")
+        if s.kind == ICEBERG:
+            blocked = iceberg.blocker(s.name, iceberg.window(s.lineage, watermark.versions()[s.physical], s.version))
+            if blocked is not None:
+                return blocked
     return None
 
 

@@ -12,7 +12,8 @@ import urllib.parse
 from typing import Optional
 
 from dbt_ivm import apply
-from dbt_ivm.catalog import DELTA, LAYERED, MV, OTHER, Source
+from dbt_ivm import iceberg
+from dbt_ivm.catalog import DELTA, ICEBERG, LAYERED, MV, OTHER, Source
 from dbt_ivm.config import APPEND, MATERIALIZATIONS
 from dbt_ivm.names import canonical, ident_text, namespace, parts, string
 from dbt_ivm.plan import BAG
@@ -21,6 +22,7 @@ from dbt_ivm.refresh.log import commit_stamps, history_head
 from dbt_ivm.refresh.watermark import Watermark
 from dbt_ivm.sqltree import call, render, select
 from dbt_ivm.versions import Target
+from sqlglot import exp
 
 
 # View properties that mark a relation as an incremental_mv (read by downstream models).
@@ -110,6 +112,8 @@ def _described(ex: Executor, name: str, histories: dict) -> Source:
         return Source(name=name, columns=tuple(columns), kind=MV, version=version,
                       cdf=cdf, state_table=state, multiplicity=mult, stamps=stamps,
                       partitions=tuple(newest.partition_by) if newest is not None else ())
+    if info.get("provider", "").lower() == "iceberg":
+        return describe_iceberg(ex, name, tuple(columns), tuple(partitions))
     if info.get("provider", "").lower() != "delta":
         location = info.get("location")
         return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False, partitions=tuple(partitions),
@@ -118,6 +122,24 @@ def _described(ex: Executor, name: str, histories: dict) -> Source:
     cdf = props.get("delta.enableChangeDataFeed", "false").lower() == "true"
     return Source(name=name, columns=tuple(columns), kind=DELTA, version=version, cdf=cdf,
                   stamps=commit_stamps(histories[name]), partitions=tuple(partitions))
+
+
+def describe_iceberg(ex: Executor, name: str, columns: tuple, partitions: tuple) -> Source:
+    """An Iceberg table: its current snapshot and the main branch's lineage
+    from its ``snapshots`` metadata table (dbt_ivm.iceberg); partition
+    columns only where every partition field is an identity one (a
+    transform's values are not the column's)."""
+    meta = iceberg.metadata_table(name, "snapshots")
+    rows = ex.query(render(select(*(exp.column(c) for c in ("snapshot_id", "parent_id", "operation", "summary")))
+                           .from_(meta)))
+    refs = iceberg.metadata_table(name, "refs")
+    main = ex.query(render(select(exp.column("snapshot_id")).from_(refs).where(
+        exp.column("name").eq(exp.Literal.string("main")))))
+    current = int(main[0][0]) if main and main[0][0] is not None else None
+    lineage = iceberg.lineage(rows, current)
+    identity = all(not any(ch in p for ch in "()") for p in partitions)
+    return Source(name=name, columns=columns, kind=ICEBERG, version=current, cdf=True,
+                  partitions=partitions if identity else (), lineage=lineage)
 
 
 # --------------------------------------------------------------------------- partitions
@@ -206,6 +228,24 @@ def delta_partition_changes(ex: Executor, table: str, partitions: tuple, lo: int
         except Exception:  # noqa: BLE001 - a commit file is gone, a path the server cannot read
             return None
     return commit_partitions(texts, partitions)
+
+
+def iceberg_partition_changes(ex: Executor, s: Source, snaps: list) -> Optional[list]:
+    """The partitions (value tuples as text, in ``s.partitions`` order) whose
+    data or delete files the Iceberg snapshots ``snaps`` added or removed,
+    from the manifests' entries (``all_entries``: metadata, no data file
+    opened); a compaction (replace) changes no rows and counts for nothing.
+    None where the partitions are not identity columns."""
+    ids = [exp.Literal.number(x.id) for x in snaps if x.operation != iceberg.REPLACE]
+    if not s.partitions:
+        return None
+    if not ids:
+        return []
+    values = [exp.cast(exp.Dot.build([exp.column("data_file"), exp.to_identifier("partition"),
+                                      exp.to_identifier(c, quoted=True)]), "STRING") for c in s.partitions]
+    query = select(*values).distinct().from_(iceberg.metadata_table(s.physical, "all_entries")).where(
+        exp.and_(exp.column("snapshot_id").isin(*ids), exp.column("status").neq(exp.Literal.number(0))))
+    return [tuple(None if v is None else str(v) for v in row) for row in ex.query(render(query))]
 
 
 # DESCRIBE DETAIL's first columns.

@@ -10,7 +10,7 @@ from typing import Optional
 
 from dbt_ivm import aggregate_state, apply, bag_state, topk
 from dbt_ivm.config import APPEND
-from dbt_ivm.delta import Window, materialized
+from dbt_ivm.delta import Window, changelogs, materialized
 from dbt_ivm.names import canonical
 from dbt_ivm.partitions import partitions_predicate
 from dbt_ivm.plan import BAG, PREFIX
@@ -91,6 +91,8 @@ def run(ctx: Context, broadcast: bool) -> Outcome:
     window = materialized(Window(old=ctx.watermark.versions(), new=ctx.versions(), broadcast=broadcast),
                           ctx.run_id)
     shared = _Pieces(ctx, window)
+    for statement in changelogs(ctx.sources, window):  # Iceberg sources' changes, as views
+        ctx.ex.query(render(statement))
     with commit.session_confs(ctx.ex, {PLAN_STRING: PLAN_STRING_LIMIT}):
         try:
             return _statements(ctx, shared, window)

@@ -12,8 +12,8 @@ from typing import Optional
 
 from sqlglot import exp
 
-from dbt_ivm import budget
-from dbt_ivm.catalog import Catalog, Source
+from dbt_ivm import budget, iceberg
+from dbt_ivm.catalog import ICEBERG, Catalog, Source
 from dbt_ivm.config import Config
 from dbt_ivm.delta import table_changes
 from dbt_ivm.errors import IvmError, Reason, UnsupportedQuery
@@ -155,6 +155,11 @@ class Measures:
         for s in self.facts.sources:
             if old.get(s.physical) == s.version:
                 continue
+            if s.kind == ICEBERG:  # the snapshots' summaries say both
+                estimate, _ = iceberg.estimate(iceberg.window(s.lineage, old.get(s.physical), s.version) or [])
+                derived[s.name] = self.rows[s.physical] = iceberg_rows(s)
+                sizes[s.name] = [estimate, None, s]
+                continue
             lo, hi = int(old[s.physical]), int(s.version)
             history = histories.get(s.physical) or []
             if hi - lo > len(history):
@@ -203,6 +208,9 @@ class Measures:
         old = self.facts.watermark.versions()
         for s in self.facts.sources:
             before = self.rows.get(s.physical)
+            if s.kind == ICEBERG:
+                self.rows[s.physical] = iceberg_rows(s)
+                continue
             if before is None or old.get(s.physical) is None or s.version is None:
                 self.rows[s.physical] = None
                 continue
@@ -236,3 +244,12 @@ class Measures:
         if known is None and self._carried is not None:
             known = (self._carried[0], self._carried[1] + 1)
         return known if known is not None and known[0] is not None else (None, 0)
+
+
+def iceberg_rows(s: Source) -> Optional[int]:
+    """An Iceberg source's rows now: its current snapshot's total-records,
+    where no delete file applies to them (else unknown: counted when needed)."""
+    if not s.lineage:
+        return None
+    snap = iceberg.Snapshot(*s.lineage[0])
+    return snap.total if not snap.total_delete_files else None

@@ -25,8 +25,8 @@ from typing import Optional, Union
 
 from sqlglot import exp
 
-from dbt_ivm import aggregate_state, apply
-from dbt_ivm.catalog import DELTA, MV, OTHER, Catalog, Source
+from dbt_ivm import aggregate_state, apply, iceberg
+from dbt_ivm.catalog import DELTA, ICEBERG, MV, OTHER, Catalog, Source
 from dbt_ivm.errors import IvmError, Reason
 from dbt_ivm.names import canonical, display
 from dbt_ivm.partitions import lineage, partitions_predicate
@@ -34,7 +34,7 @@ from dbt_ivm.plan import BAG, PREFIX
 from dbt_ivm.refresh import commit
 from dbt_ivm.refresh.context import Context, Outcome, Written
 from dbt_ivm.refresh.decide import NOT_PARTITIONED, rewound
-from dbt_ivm.refresh.facts import delta_partition_changes, listing_changes
+from dbt_ivm.refresh.facts import delta_partition_changes, iceberg_partition_changes, listing_changes
 from dbt_ivm.refresh.failpoint import failpoint
 from dbt_ivm.refresh.full import state_body
 from dbt_ivm.executor import Executor
@@ -114,6 +114,13 @@ def _changed_values(ex: Executor, column: str, mapped: dict, changed: list[Sourc
                               f"source {s.name} was recreated or restored since the last refresh")
             parts = delta_partition_changes(ex, s.physical, s.partitions, int(old[s.physical]), int(s.version))
             where = "its Delta log no longer holds the commits of the window"
+        elif s.kind == ICEBERG:
+            snaps = iceberg.window(s.lineage, old.get(s.physical), s.version)
+            if snaps is None:
+                return Reason("SOURCE_VERSION_REWOUND", f"the snapshot of source {s.name} the last refresh consumed "
+                              "is not an ancestor of its current snapshot")
+            parts = iceberg_partition_changes(ex, s, snaps)
+            where = "its partitions are not identity partitions of its columns"
         elif s.kind == OTHER:
             parts = listing_changes(listings.get(s.physical), s.listing)
             where = "no file listing of it was recorded or it could not be listed"

@@ -115,9 +115,29 @@ def default_spark_conf(
         "spark.ui.retainedStages": "50",
     }
     conf.update(overrides or {})
+    iceberg = _names_iceberg_catalog(conf)
     if "spark.jars.packages" not in conf:  # a profile's own jar wins, for any Spark
-        conf["spark.jars.packages"] = delta_package()
+        conf["spark.jars.packages"] = delta_package() + ("," + iceberg_package() if iceberg else "")
+    if iceberg and "spark.sql.extensions" not in (overrides or {}):
+        from dbt_ivm.iceberg import EXTENSIONS
+
+        conf["spark.sql.extensions"] += "," + EXTENSIONS
     return conf
+
+
+def _names_iceberg_catalog(conf: dict) -> bool:
+    """Whether a ``spark.sql.catalog.<name>`` setting makes a catalog Iceberg's."""
+    from dbt_ivm.iceberg import CATALOG_CLASSES
+
+    return any(k.startswith("spark.sql.catalog.") and k.count(".") == 3 and str(v).strip() in CATALOG_CLASSES
+               for k, v in conf.items())
+
+
+def iceberg_package() -> str:
+    """Iceberg's Spark runtime for the installed pyspark's line (dbt_ivm.versions)."""
+    from dbt_ivm.versions import iceberg_package as package, session_line
+
+    return package(session_line())
 
 
 _SESSION_LOCK = threading.Lock()

@@ -1,0 +1,240 @@
+"""Apache Iceberg sources: what a refresh reads from an Iceberg table's
+snapshots (docs/DESIGN.md §11). Pure: the facts are handed in.
+
+A refresh consumes one snapshot per source (its id is the source's
+"version" in the watermark). Snapshot ids are not ordered: the change since
+the consumed snapshot is the main branch's lineage walked back from the
+current snapshot through each snapshot's parent until the consumed one. A
+consumed snapshot not on that walk (a rollback, ``set_current_snapshot``, a
+replaced table, expired snapshots) is a rewound source: rebuilt, never a
+wrong NOOP.
+
+What each snapshot of the window leads to:
+
+* ``append``, and copy-on-write ``overwrite`` / ``delete`` (whole data files
+  replaced) → Iceberg's changelog (``create_changelog_view``, read as a
+  weighted change: INSERT / UPDATE_AFTER +1, DELETE / UPDATE_BEFORE -1; a
+  carried-over row's delete and insert cancel) → INCREMENTAL;
+* ``replace`` (compaction, ``rewrite_data_files``) → no row changes;
+* a snapshot that adds delete files (merge-on-read deletes, updates,
+  merges; deletion vectors in format v3), or any snapshot of a table that
+  holds delete files (an append too) → Iceberg's changelog refuses it ("Delete files are
+  currently not supported in changelog scans"): ICEBERG_DELETE_FILES, then
+  PARTITION over the partitions the snapshots touched (their manifest
+  entries), else FULL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+from sqlglot import exp
+
+from dbt_ivm import names
+from dbt_ivm.errors import Reason
+
+# The Spark catalog class names that make a catalog an Iceberg one.
+CATALOG_CLASSES = ("org.apache.iceberg.spark.SparkCatalog", "org.apache.iceberg.spark.SparkSessionCatalog")
+EXTENSIONS = "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions"
+
+APPEND, OVERWRITE, DELETE, REPLACE = "append", "overwrite", "delete", "replace"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One snapshot of the main branch's lineage, from the ``snapshots``
+    metadata table's row (its summary's counts)."""
+
+    id: int
+    parent: Optional[int]
+    operation: str
+    added: int = 0  # added-records
+    deleted: int = 0  # deleted-records (whole data files removed)
+    delete_files: int = 0  # added-delete-files (position / equality deletes, deletion vectors)
+    deleted_by_files: int = 0  # added-position-deletes + added-equality-deletes
+    total_delete_files: int = 0  # total-delete-files after it
+    total: Optional[int] = None  # total-records after it
+
+    @classmethod
+    def of_row(cls, row) -> "Snapshot":
+        """A ``SELECT snapshot_id, parent_id, operation, summary FROM t.snapshots`` row."""
+        summary = _as_map(row[3])
+
+        def n(*keys: str) -> int:
+            return sum(_int(summary.get(k)) or 0 for k in keys)
+
+        total = _int(summary.get("total-records"))
+        return cls(int(row[0]), None if row[1] is None else int(row[1]), str(row[2] or "").lower(),
+                   n("added-records"), n("deleted-records"), n("added-delete-files"),
+                   n("added-position-deletes", "added-equality-deletes"), n("total-delete-files"), total)
+
+    def as_tuple(self) -> tuple:
+        return (self.id, self.parent, self.operation, self.added, self.deleted, self.delete_files,
+                self.deleted_by_files, self.total_delete_files, self.total)
+
+
+def _int(value) -> Optional[int]:
+    try:
+        return int(str(value).strip('"'))
+    except (TypeError, ValueError):
+        return None
+
+
+def _as_map(value) -> dict:
+    """A summary map: a dict from a Spark session, JSON-ish text through Thrift."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and value.startswith("{"):
+        import json
+
+        try:
+            data = json.loads(value)
+            return data if isinstance(data, dict) else {}
+        except ValueError:
+            return {}
+    return {}
+
+
+def lineage(rows: list, current: Optional[int]) -> tuple:
+    """The main branch's snapshots from ``current`` back through their parents
+    (``snapshots`` metadata table rows), newest first, as ``Snapshot.as_tuple``
+    tuples; a walk stops at a parent the table no longer holds (expired).
+
+    >>> rows = [(1, None, "append", {"added-records": "3", "total-records": "3"}),
+    ...         (5, 1, "append", {"added-records": "1"}), (2, 1, "delete", {"deleted-records": "2"})]
+    >>> [s[0] for s in lineage(rows, 2)], lineage(rows, None)
+    ([2, 1], ())
+    """
+    by_id = {}
+    for row in rows:
+        snap = Snapshot.of_row(row)
+        by_id[snap.id] = snap
+    out, at = [], current
+    while at is not None and at in by_id and len(out) <= len(by_id):
+        out.append(by_id[at].as_tuple())
+        at = by_id[at].parent
+    return tuple(out)
+
+
+def window(snapshots: tuple, old: Optional[int], new: Optional[int]) -> Optional[list[Snapshot]]:
+    """The snapshots after ``old`` up to ``new`` (oldest first) on the lineage;
+    None when ``old`` is not an ancestor of ``new`` there (rewound: a rollback,
+    a replaced table, expired snapshots).
+
+    >>> lin = ((3, 2, "append"), (2, 1, "delete"), (1, None, "append"))
+    >>> [s.id for s in window(lin, 1, 3)], window(lin, 1, 1), window(lin, 7, 3)
+    ([2, 3], [], None)
+    """
+    if old is None or new is None:
+        return None
+    snaps = [Snapshot(*t) for t in snapshots]
+    ids = [s.id for s in snaps]
+    if not ids or ids[0] != new or old not in ids:
+        return None if old != new else []
+    return list(reversed(snaps[: ids.index(old)]))
+
+
+def estimate(snaps: list[Snapshot]) -> tuple[Optional[int], Optional[int]]:
+    """(changed rows, net rows added) of a window's snapshots from their
+    summaries: a replace changes no row; a copy-on-write rewrite counts the
+    rows of the files it removed and added (carried-over rows included: an
+    upper bound); rows removed by delete files count too.
+
+    >>> estimate([Snapshot(2, 1, "append", added=5), Snapshot(3, 2, "overwrite", added=4, deleted=4),
+    ...           Snapshot(4, 3, "replace", added=9, deleted=9)])
+    (13, 5)
+    """
+    changed, net = 0, 0
+    for s in snaps:
+        if s.operation == REPLACE:
+            continue
+        changed += s.added + s.deleted + s.deleted_by_files
+        net += s.added - s.deleted - s.deleted_by_files
+    return changed, net
+
+
+def blocker(name: str, snaps: list[Snapshot]) -> Optional[Reason]:
+    """Why Iceberg's changelog cannot read the window (None: it can).
+
+    >>> blocker("db.t", [Snapshot(2, 1, "append", added=1)]) is None
+    True
+    >>> blocker("db.t", [Snapshot(2, 1, "delete", delete_files=1, total_delete_files=1)]).code
+    'ICEBERG_DELETE_FILES'
+    >>> blocker("db.t", [Snapshot(3, 2, "append", added=1, total_delete_files=1)]).code  # measured: refused too
+    'ICEBERG_DELETE_FILES'
+    """
+    for s in snaps:
+        if s.operation == REPLACE:
+            continue
+        if s.delete_files or s.total_delete_files:
+            return Reason(
+                "ICEBERG_DELETE_FILES",
+                f"snapshot {s.id} of source {names.display(name)} ({s.operation}) "
+                + ("adds delete files (a merge-on-read write)" if s.delete_files else
+                   f"leaves {s.total_delete_files} delete files in the table")
+                + ", and Iceberg's changelog cannot read a table with delete files",
+                "write the source copy-on-write (write.delete.mode, write.update.mode, write.merge.mode = "
+                "'copy-on-write') and compact its delete files away (rewrite_data_files with "
+                "delete-file-threshold 1); or partition the model by a partition column of the source to "
+                "replace only the partitions touched")
+    return None
+
+
+def changelog_view(table: str, start: int, end: int, tag: str = "") -> str:
+    """The name of the temporary view holding ``table``'s changelog from after
+    snapshot ``start`` to ``end`` (one per window and refresh)."""
+    key = hashlib.sha1(f"{names.canonical(table)}\x00{start}\x00{end}".encode()).hexdigest()[:12]
+    return f"{names.PREFIX}changelog_{key}" + (f"_{tag}" if tag else "")
+
+
+def catalog_of(table: str) -> tuple[str, list[str]]:
+    """(the catalog whose procedures serve ``table``, its name inside it):
+    a two-part name lives in the session catalog.
+
+    >>> catalog_of("`iceberg`.`db`.`t`"), catalog_of("db.t")
+    (('iceberg', ['db', 't']), ('spark_catalog', ['db', 't']))
+    """
+    parts = names.parts(table)
+    return (parts[0], parts[1:]) if len(parts) == 3 else ("spark_catalog", parts)
+
+
+def metadata_table(table: str, name: str) -> exp.Table:
+    """One of ``table``'s metadata tables (``snapshots``, ``refs``, ``all_entries``).
+
+    >>> from dbt_ivm.sqltree import render
+    >>> render(metadata_table("`iceberg`.`db`.`t`", "snapshots"))
+    '`iceberg`.`db`.`t`.`snapshots`'
+    """
+    t = names.table(table)
+    t.set("this", exp.Dot(this=t.this, expression=exp.to_identifier(name, quoted=True)))
+    return t
+
+
+def create_changelog(table: str, start: int, end: int, view: str) -> exp.Command:
+    """``CALL <catalog>.system.create_changelog_view(...)``: the view ``view``
+    of ``table``'s changes after snapshot ``start`` up to ``end``. Carried-over
+    rows (a copy-on-write rewrite's unchanged rows, deleted and re-inserted)
+    are removed by the procedure.
+
+    >>> from dbt_ivm.sqltree import render
+    >>> print(render(create_changelog("`iceberg`.`db`.`t`", 1, 2, "__ivm_c")))
+    CALL `iceberg`.`system`.`create_changelog_view`(table => '`db`.`t`', options => MAP('start-snapshot-id', '1', 'end-snapshot-id', '2'), changelog_view => '__ivm_c')
+    """
+    from dbt_ivm.sqltree import call_procedure
+
+    catalog, inner = catalog_of(table)
+    options = exp.VarMap(keys=exp.Array(expressions=[exp.Literal.string("start-snapshot-id"),
+                                                  exp.Literal.string("end-snapshot-id")]),
+                      values=exp.Array(expressions=[exp.Literal.string(str(int(start))),
+                                                    exp.Literal.string(str(int(end)))]))
+    return call_procedure([catalog, "system", "create_changelog_view"], {
+        "table": exp.Literal.string(names.canonical(inner)),
+        "options": options,
+        "changelog_view": exp.Literal.string(view),
+    })
+
+
+# The changelog's change types that add a row (the others remove one).
+ADDED = ("INSERT", "UPDATE_AFTER")
