@@ -17,8 +17,9 @@ SRC = "ice_src"
 OUT = "ice_out"
 T = f"{ICEBERG}.{SRC}.orders"
 MODELS = {
-    # maintained: an aggregate over the Iceberg source alone
-    "by_g": "select g, count(*) as n, sum(amt) as s from {t} group by g",
+    # maintained: an aggregate over the Iceberg source alone, named by source()
+    # (a source's database is its Spark catalog: dbt.adapters.spark_ivm.relation)
+    "by_g": "select g, count(*) as n, sum(amt) as s from {{{{ source('ice', 'orders') }}}} group by g",
     # an inner join of the Iceberg source with a Delta table (two formats, one plan)
     "joined": "select o.k, o.amt, r.region from {t} o join {dims} r on o.g = r.g",
     # partitioned like the source: a merge-on-read change replaces only its partitions
@@ -38,6 +39,14 @@ def project(tmp_path_factory):
     sql(f"insert into {T} select id, concat('g', id % 3), id * 1.5, id % 30 from range(0, 300)")
     sql(f"create table {SRC}.dims (g string, region string) using delta")
     sql(f"insert into {SRC}.dims values ('g0', 'north'), ('g1', 'south'), ('g2', 'east')")
+    p.write("models/sources.yml", f"""
+        version: 2
+        sources:
+          - name: ice
+            database: {ICEBERG}
+            schema: {SRC}
+            tables: [{{name: orders}}]
+    """)
     for name, body in MODELS.items():
         head = "" if "config(" in body else "{{ config(materialized='incremental_mv') }}\n"
         p.write(f"models/{name}.sql", head + body.format(t=T, dims=f"{SRC}.dims"))
@@ -47,14 +56,22 @@ def project(tmp_path_factory):
     return p
 
 
-def _run(project) -> dict:
-    """dbt run; every model equals its recompute; {model: (code, reason)}."""
+def _run(project, responses: bool = False) -> dict:
+    """dbt run; every model equals its recompute; {model: (code, reason)}
+    (or each model's whole adapter response)."""
     out = project.dbt("run")
     assert out.success, out.exception
     for name in MODELS:
         compiled = out.results[name].node.compiled_code
         assert check_model(f"{OUT}.{name}", compiled) is None, name
+    if responses:
+        return {n: out.response(n) for n in MODELS}
     return {n: (out.code(n), out.response(n).get("reason")) for n in MODELS}
+
+
+def _state_files(model: str) -> set:
+    """(partition, data file) pairs of a model's state table."""
+    return {(r[0], r[1]) for r in sql(f"select distinct d, input_file_name() from {OUT}.{model}__ivm_state")}
 
 
 def _snapshots() -> list:
@@ -80,11 +97,16 @@ def test_a_compaction_changes_no_rows(project):
 def test_merge_on_read_deletes_replace_partitions_or_rebuild(project):
     sql(f"alter table {T} set tblproperties ('write.delete.mode' = 'merge-on-read', "
         "'write.update.mode' = 'merge-on-read', 'write.merge.mode' = 'merge-on-read')")
+    files = _state_files("by_day")
     sql(f"delete from {T} where d = 12 and k % 2 = 0")  # some rows of one file, in 1 of 30 partitions
-    got = _run(project)
-    assert got["by_g"] == ("FULL", "ICEBERG_DELETE_FILES"), got
-    assert got["joined"] == ("FULL", "ICEBERG_DELETE_FILES"), got
-    assert got["by_day"][0] == "PARTITION", got
+    got = _run(project, responses=True)
+    assert [got["by_g"]["code"], got["by_g"]["reason"]] == ["FULL", "ICEBERG_DELETE_FILES"], got
+    assert [got["joined"]["code"], got["joined"]["reason"]] == ["FULL", "ICEBERG_DELETE_FILES"], got
+    assert got["by_day"]["code"] == "PARTITION" and got["by_day"]["rows"]["partitions_replaced"] == 1, got
+    # the other 29 partitions' state files are the same files
+    after = _state_files("by_day")
+    assert {f for f in files if f[0] != 12} == {f for f in after if f[0] != 12}
+    assert {f for f in files if f[0] == 12} != {f for f in after if f[0] == 12}
     out = project.dbt("run")  # nothing changed since: NOOP everywhere
     assert {out.code(n) for n in MODELS} == {"NOOP"}
 

@@ -16,6 +16,7 @@ from dbt.adapters.spark.impl import SparkAdapter
 from dbt_common.exceptions import CompilationError, DbtRuntimeError
 
 from dbt.adapters.spark_ivm.connections import SparkIvmConnectionManager
+from dbt.adapters.spark_ivm.relation import SparkIvmRelation
 from dbt_ivm.executor import Executor  # no sqlglot, no pyspark: cheap at dbt's start
 
 logger = AdapterLogger("spark_ivm")
@@ -142,15 +143,18 @@ class _Executor(Executor):
 
 
 def _relation_name(relation: Any) -> str:
-    """The canonical name (dbt_ivm.names) of a dbt relation: its schema and identifier."""
+    """The canonical name (dbt_ivm.names) of a dbt relation: its catalog where
+    it names one (SparkIvmRelation), schema and identifier."""
     from dbt_ivm.names import canonical
 
-    return canonical([p for p in (relation.schema, relation.identifier) if p])
+    catalog = getattr(relation, "named_catalog", None)
+    return canonical([p for p in (catalog, relation.schema, relation.identifier) if p])
 
 
 class SparkIvmAdapter(SparkAdapter):
     _ivm_spark_version: Optional[str] = None  # the server's, once asked (_Executor.spark_version)
     ConnectionManager = SparkIvmConnectionManager
+    Relation = SparkIvmRelation  # may name a catalog: a source in an Iceberg catalog
 
     @classmethod
     def type(cls) -> str:
