@@ -47,6 +47,8 @@ def project(tmp_path_factory):
             schema: {SRC}
             tables: [{{name: orders}}]
     """)
+    p.write("models/schema.yml", "version: 2\nmodels:\n" + "".join(
+        f"  - name: {n}\n    data_tests: [ivm_consistent]\n" for n in MODELS))
     for name, body in MODELS.items():
         head = "" if "config(" in body else "{{ config(materialized='incremental_mv') }}\n"
         p.write(f"models/{name}.sql", head + body.format(t=T, dims=f"{SRC}.dims"))
@@ -86,6 +88,11 @@ def test_appends_and_copy_on_write_changes_are_incremental(project):
     sql(f"merge into {T} t using (select 5 as k, 'g2' as g, 9.0 as amt, 5 as d union all "
         "select 2000, 'g0', 4.0, 6) s on t.k = s.k when matched then update set amt = s.amt "
         "when not matched then insert *")
+    assert {c for c, _ in _run(project).values()} == {"INCREMENTAL"}
+    # ivm_consistent recomputes each model at the snapshot ids its refresh consumed
+    sql(f"insert into {T} values (1002, 'g0', 3.0, 9)")  # after the refresh: the audit must not see it
+    audit = project.dbt("test")
+    assert audit.success and len(audit.results) == len(MODELS), audit.exception
     assert {c for c, _ in _run(project).values()} == {"INCREMENTAL"}
 
 

@@ -1,0 +1,105 @@
+"""Pure-Python tier: Iceberg sources — what each snapshot window leads to in
+the decision, the change's size from snapshot summaries, the change read, and
+the embedded session's settings for a profile naming an Iceberg catalog."""
+
+import pytest
+
+from dbt_ivm import delta, iceberg
+from dbt_ivm.catalog import ICEBERG, Source
+from dbt_ivm.errors import IvmConfigError
+from dbt_ivm.refresh import FULL, INCREMENTAL, NOOP, Watermark, decide
+from dbt_ivm.refresh.decide import NOT_PARTITIONED
+from dbt_ivm.sqltree import render
+from dbt_ivm.versions import LINES, iceberg_package
+
+NAME = "`iceberg`.`db`.`t`"
+
+
+def _rows(*snaps):
+    """snapshots metadata rows: (id, parent, operation, summary)."""
+    return [(i, p, op, {k: str(v) for k, v in summary.items()}) for i, p, op, summary in snaps]
+
+
+HISTORY = _rows(
+    (101, None, "append", {"added-records": 10, "total-records": 10}),
+    (202, 101, "overwrite", {"added-records": 4, "deleted-records": 3, "total-records": 11}),
+    (150, 202, "replace", {"added-records": 11, "deleted-records": 11, "total-records": 11}),
+    (303, 150, "delete", {"added-delete-files": 1, "added-position-deletes": 2, "total-delete-files": 1,
+                          "total-records": 11}),
+)
+
+
+def _source(current):
+    return Source(NAME, (("i", "int"),), kind=ICEBERG, version=current, lineage=iceberg.lineage(HISTORY, current))
+
+
+def _wm(consumed):
+    return Watermark("sig", "bag", "select i from iceberg.db.t", {"i": "int"},
+                     [{"name": NAME, "kind": ICEBERG, "physical": NAME, "multiplicity": None,
+                       "columns": [["i", "int"]], "version": consumed}])
+
+
+def _decide(consumed, current, partition=None):
+    return decide(policy="auto", full_refresh=False, state_exists=True, view_exists=True, watermark=_wm(consumed),
+                  sig="sig", sources=[_source(current)], unsupported=None, partition=partition)
+
+
+def test_ids_are_not_ordered_the_lineage_is():
+    # 150 < 202, yet 150 comes after it: a copy-on-write window read by the changelog
+    assert _decide(101, 150).strategy == INCREMENTAL
+    assert _decide(150, 150).strategy == NOOP
+
+
+def test_a_consumed_snapshot_off_the_lineage_is_rewound():
+    d = _decide(999, 150, partition=NOT_PARTITIONED)  # expired, rolled back past, or another table's
+    assert (d.strategy, d.reason.code) == (FULL, "SOURCE_VERSION_REWOUND")
+
+
+def test_delete_files_block_the_changelog_and_take_the_next_step():
+    from dbt_ivm.refresh.values import PARTITION
+
+    d = _decide(150, 303)
+    assert (d.strategy, d.reason.code) == (PARTITION, "ICEBERG_DELETE_FILES")
+    assert "copy-on-write" in d.reason.hint
+
+
+def test_the_change_size_comes_from_the_summaries_and_a_compaction_counts_nothing():
+    snaps = iceberg.window(_source(303).lineage, 101, 303)
+    assert [s.id for s in snaps] == [202, 150, 303]
+    assert iceberg.estimate(snaps) == (4 + 3 + 2, 4 - 3 - 2)
+    assert iceberg.estimate(iceberg.window(_source(150).lineage, 202, 150)) == (0, 0)
+
+
+def test_the_change_is_read_from_the_changelog_view_with_weights():
+    src = _source(150)
+    window = delta.Window(old={NAME: 101}, new={NAME: 150})
+    (call,) = delta.changelogs([src], window)
+    view = iceberg.changelog_view(NAME, 101, 150)
+    assert render(call) == ("CALL `iceberg`.`system`.`create_changelog_view`(table => '`db`.`t`', options => "
+                            f"MAP('start-snapshot-id', '101', 'end-snapshot-id', '150'), changelog_view => '{view}')")
+    body = render(delta._scan_delta(src, window))
+    assert f"FROM `{view}`" in body and "_change_type IN ('INSERT', 'UPDATE_AFTER')" in body
+    assert delta.changelogs([src], delta.Window(old={NAME: 150}, new={NAME: 150})) == []
+
+
+def test_the_embedded_session_adds_icebergs_runtime_for_a_catalog_the_profile_names():
+    from dbt.adapters.spark_ivm.connections import default_spark_conf
+
+    from dbt_ivm.versions import session_line
+
+    line = session_line()
+    conf = {"spark.sql.catalog.lake": "org.apache.iceberg.spark.SparkCatalog", "spark.sql.catalog.lake.type": "hadoop"}
+    if line.iceberg_package is None:
+        with pytest.raises(IvmConfigError, match="publishes no Spark runtime"):
+            default_spark_conf("/p", overrides=conf)
+    else:
+        got = default_spark_conf("/p", overrides=conf)
+        assert got["spark.jars.packages"].split(",") == [line.delta_package, line.iceberg_package]
+        assert got["spark.sql.extensions"].split(",")[-1] == iceberg.EXTENSIONS
+    plain = default_spark_conf("/p")
+    assert "iceberg" not in plain["spark.jars.packages"] and "iceberg" not in plain["spark.sql.extensions"]
+
+
+def test_spark_42_has_no_iceberg_runtime_and_says_which_lines_do():
+    with pytest.raises(IvmConfigError, match="Spark 3.5, 4.0 or 4.1"):
+        iceberg_package(LINES["4.2"])
