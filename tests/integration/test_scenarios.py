@@ -24,7 +24,12 @@ the default `./run test`, which must fit CI's time limit on a 2-core machine;
 the crash test and the demo run `dbt test`). DBT_IVM_SCENARIO_LAYOUT=append
 keeps every eligible model's state as appended layers (what
 ivm_state_layout='auto' picks, chain.AUTO_LAYOUT, set to append), so the cases
-run through that layout's write path.
+run through that layout's write path. DBT_IVM_SCENARIO_FORMAT=iceberg-cow or
+iceberg-mor creates every source as an Iceberg table (copy-on-write or
+merge-on-read) in the session's ``iceberg`` catalog, named by the sources'
+``database``: maintained cases stay INCREMENTAL (or NOOP) on copy-on-write;
+on merge-on-read a refresh may also fall back with ICEBERG_DELETE_FILES once
+a delete or update left delete files (dbt_ivm.iceberg).
 """
 
 from __future__ import annotations
@@ -75,6 +80,14 @@ BATCHED_STEPS = int(os.environ.get(
     "2" if os.environ.get("DBT_IVM_SCENARIO_FULL", "0") == "1" or os.environ.get("DBT_IVM_CASES", "").strip() else "5"))
 OUT = "scn_out"
 BATCHED = "__b"  # suffix of a batched-variant model
+FORMAT = os.environ.get("DBT_IVM_SCENARIO_FORMAT", "delta")
+if FORMAT not in ("delta", "iceberg-cow", "iceberg-mor"):
+    raise ValueError(f"DBT_IVM_SCENARIO_FORMAT={FORMAT!r}: one of delta, iceberg-cow, iceberg-mor")
+ICEBERG = FORMAT.startswith("iceberg")
+# The Iceberg table properties of each format (format v2; the write modes).
+_WRITE_MODES = ("write.delete.mode", "write.update.mode", "write.merge.mode")
+ICEBERG_PROPS = {"format-version": "2", **{k: "merge-on-read" if FORMAT == "iceberg-mor" else "copy-on-write"
+                                           for k in _WRITE_MODES}}
 
 
 class Suite:
@@ -115,7 +128,8 @@ class Suite:
             cid = case["id"].lower()
             src = self._schema(case)  # the source is named after its schema
             if variant == "s":
-                sources.append({"name": src, "schema": src, "tables": [{"name": t["name"]} for t in case["tables"]]})
+                sources.append({"name": src, "schema": src, "tables": [{"name": t["name"]} for t in case["tables"]],
+                                **({"database": harness.ICEBERG} if ICEBERG else {})})
             own = {m["name"] for m in case["models"]}
             for m in case["models"]:
                 body = re.sub(r"source\(\s*'scn'\s*,", f"source('{src}',", m["sql"])
@@ -136,11 +150,21 @@ class Suite:
     def _create_tables(self) -> None:
         def create(case: dict) -> None:
             schema = self._schema(case)
-            sql(f"drop schema if exists {schema} cascade")
-            sql(f"create schema {schema}")
+            if ICEBERG:
+                schema = f"{harness.ICEBERG}.{schema}"
+                sql(f"create namespace if not exists {schema}")
+                for t in case["tables"]:
+                    sql(f"drop table if exists {schema}.{t['name']}")
+                props = ", ".join(f"'{k}' = '{v}'" for k, v in ICEBERG_PROPS.items())
+            else:
+                sql(f"drop schema if exists {schema} cascade")
+                sql(f"create schema {schema}")
             for t in case["tables"]:
-                sql(f"create table {schema}.{t['name']} ({t['columns']}) using delta "
-                    "tblproperties (delta.enableChangeDataFeed = true)")
+                if ICEBERG:
+                    sql(f"create table {schema}.{t['name']} ({t['columns']}) using iceberg tblproperties ({props})")
+                else:
+                    sql(f"create table {schema}.{t['name']} ({t['columns']}) using delta "
+                        "tblproperties (delta.enableChangeDataFeed = true)")
                 if t.get("rows"):
                     sql(f"insert into {schema}.{t['name']} values {t['rows']}")
 
@@ -151,7 +175,7 @@ class Suite:
         """Run statements (bare table names) in the case's schema, in a session of
         their own so cases can run side by side."""
         session = spark().newSession()
-        session.sql(f"use {self._schema(case)}")
+        session.sql(f"use {harness.ICEBERG + '.' if ICEBERG else ''}{self._schema(case)}")
         for statement in statements:
             session.sql(statement)
 
@@ -190,7 +214,8 @@ class Suite:
         elif had_statements is False:
             ok = code == "NOOP"
         elif expects_incremental(case):
-            ok = code in ("INCREMENTAL", "NOOP")
+            ok = code in ("INCREMENTAL", "NOOP") or (
+                FORMAT == "iceberg-mor" and response.get("reason") == "ICEBERG_DELETE_FILES")
         else:
             ok = code in ("FULL", "INCREMENTAL", "NOOP")
         if not ok:
@@ -254,7 +279,7 @@ def suite(tmp_path_factory, request):
                for r in sql(f"show tblproperties {OUT}.{v.viewName}") if r[0] == "dbt_ivm.layout"]
     # printed after the run (tests/integration/conftest.py), for each target
     request.config.__dict__.setdefault("dbt_ivm_summary", []).append(
-        f"scenario table (target: {harness.TARGET})\n{s.table()}\n"
+        f"scenario table (target: {harness.TARGET}, sources: {FORMAT})\n{s.table()}\n"
         f"state layouts at the end: {layouts.count('append')} append, {layouts.count('merge')} merge")
     return s
 
@@ -288,7 +313,8 @@ def test_explain_predicts_the_strategy_each_refresh_took(suite):
     report = explain_project(root, root, [], parse_first=True)
     taken: dict = {}
     for name, label, resp in suite.responses:
-        if label != "build" and resp["code"] not in ("NOOP", "CREATE"):
+        # a merge-on-read source's delete files are data, not the query: offline they cannot be seen
+        if label != "build" and resp["code"] not in ("NOOP", "CREATE") and resp.get("reason") != "ICEBERG_DELETE_FILES":
             taken.setdefault(name, set()).add(resp["code"])
     checked, unknown, wrong = 0, [], []
     for m in report["models"]:

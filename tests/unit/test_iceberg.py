@@ -96,6 +96,9 @@ def test_the_embedded_session_adds_icebergs_runtime_for_a_catalog_the_profile_na
         got = default_spark_conf("/p", overrides=conf)
         assert got["spark.jars.packages"].split(",") == [line.delta_package, line.iceberg_package]
         assert got["spark.sql.extensions"].split(",")[-1] == iceberg.EXTENSIONS
+        assert got["spark.sql.catalog.lake.cache-enabled"] == "false"  # a refresh reads the newest snapshot
+        kept = default_spark_conf("/p", overrides={**conf, "spark.sql.catalog.lake.cache-enabled": "true"})
+        assert kept["spark.sql.catalog.lake.cache-enabled"] == "true"
     plain = default_spark_conf("/p")
     assert "iceberg" not in plain["spark.jars.packages"] and "iceberg" not in plain["spark.sql.extensions"]
 

@@ -122,15 +122,20 @@ def default_spark_conf(
         from dbt_ivm.iceberg import EXTENSIONS
 
         conf["spark.sql.extensions"] += "," + EXTENSIONS
+    for key in iceberg:
+        # Iceberg's catalog caches a table's metadata per session for 30 s: a
+        # session would read a snapshot older than a write another one made
+        # (docs/NOTES.md §10). A refresh reads the newest, unless the profile says.
+        conf.setdefault(f"{key}.cache-enabled", "false")
     return conf
 
 
-def _names_iceberg_catalog(conf: dict) -> bool:
-    """Whether a ``spark.sql.catalog.<name>`` setting makes a catalog Iceberg's."""
+def _names_iceberg_catalog(conf: dict) -> list:
+    """The ``spark.sql.catalog.<name>`` settings that make a catalog Iceberg's."""
     from dbt_ivm.iceberg import CATALOG_CLASSES
 
-    return any(k.startswith("spark.sql.catalog.") and k.count(".") == 3 and str(v).strip() in CATALOG_CLASSES
-               for k, v in conf.items())
+    return [k for k, v in conf.items()
+            if k.startswith("spark.sql.catalog.") and k.count(".") == 3 and str(v).strip() in CATALOG_CLASSES]
 
 
 def iceberg_package() -> str:
