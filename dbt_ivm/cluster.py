@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from dbt_ivm.errors import IvmConfigError
+
 HOST = "127.0.0.1"
 MASTER_PORT = 7077
 THRIFT_PORT = 10000
@@ -55,18 +57,26 @@ _RESOLVE = ("from pyspark import SparkContext\nSparkContext._ensure_initialized(
             "print('JARS=' + str(SparkContext._jvm.java.lang.System.getProperty('spark.jars') or ''))\n")
 
 
-def delta_jars(home: Path, env: dict) -> list[str]:
-    """The local paths of Delta's jars and their dependencies, resolved by
-    Spark's own Ivy (``spark-submit --packages``, the Maven package the
-    embedded profile uses; cached in ``~/.ivy2.5.2``) and remembered in
-    ``<home>/delta-jars.txt``. The server gets them on its JVM's class path:
-    with ``--packages`` alone a Thrift server's sessions fail to find the
-    ``delta`` data source (delta-io/delta#1341: the jars sit in a child class
-    loader that the server's operations do not always use)."""
-    from dbt_ivm.versions import session_line
+def server_packages(iceberg: bool = False) -> str:
+    """The Maven packages the server runs with: the Delta jar of the installed
+    pyspark's line, and with ``iceberg`` Iceberg's runtime for it (an error
+    naming the lines that have one, where it has none)."""
+    from dbt_ivm.versions import iceberg_package, session_line
 
-    package = session_line().delta_package
-    cached = home / f"delta-jars-{package.replace(':', '_')}.txt"  # one per Spark line's jar
+    line = session_line()
+    return line.delta_package + ("," + iceberg_package(line) if iceberg else "")
+
+
+def delta_jars(home: Path, env: dict, package: Optional[str] = None) -> list[str]:
+    """The local paths of Delta's jars (and Iceberg's, where ``package`` names
+    it) and their dependencies, resolved by Spark's own Ivy (``spark-submit
+    --packages``, the Maven packages the embedded profile uses; cached in
+    ``~/.ivy2.5.2``) and remembered under ``home``. The server gets them on
+    its JVM's class path: with ``--packages`` alone a Thrift server's sessions
+    fail to find the ``delta`` data source (delta-io/delta#1341: the jars sit
+    in a child class loader that the server's operations do not always use)."""
+    package = package or server_packages()
+    cached = home / f"delta-jars-{package.replace(':', '_').replace(',', '+')}.txt"  # one per set of jars
     if cached.exists():
         jars = cached.read_text().split()
         if jars and all(Path(j).exists() for j in jars):
@@ -105,12 +115,26 @@ def _not_in_spark(jars: list[str]) -> list[str]:
     return [j for j in jars if _artifact(j, ivy=True) not in ships]
 
 
-def server_conf(home: Path, jars: list[str]) -> dict[str, str]:
+# The name of the Iceberg catalog of ``up --iceberg`` (Hadoop-type, under the cluster's home).
+ICEBERG_CATALOG = "iceberg"
+
+
+def server_conf(home: Path, jars: list[str], iceberg: bool = False) -> dict[str, str]:
     """The Thrift server's Spark settings: the embedded profile's Delta and
-    change-feed defaults, with a metastore and warehouse under ``home``."""
+    change-feed defaults, with a metastore and warehouse under ``home``; with
+    ``iceberg`` an Iceberg catalog ``iceberg`` beside Delta's ``spark_catalog``
+    (README, "Iceberg sources")."""
     metastore = home / "metastore_db"
     classpath = ":".join(jars)
-    return {
+    extra = {}
+    if iceberg:
+        from dbt_ivm.iceberg import CATALOG_CLASSES, EXTENSIONS
+
+        key = f"spark.sql.catalog.{ICEBERG_CATALOG}"
+        extra = {"spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension," + EXTENSIONS,
+                 key: CATALOG_CLASSES[0], f"{key}.type": "hadoop", f"{key}.warehouse": str(home / "iceberg"),
+                 f"{key}.cache-enabled": "false"}
+    return {**{
         "spark.driver.extraClassPath": classpath,
         "spark.executor.extraClassPath": classpath,  # the workers run on this machine
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
@@ -131,7 +155,7 @@ def server_conf(home: Path, jars: list[str]) -> dict[str, str]:
         # dbt opens a session per thread and reuses it; idle sessions of
         # crashed clients are dropped after an hour.
         "spark.hadoop.hive.server2.idle.session.timeout": "3600000",
-    }
+    }, **extra}
 
 
 def profile(schema: str = "dbt_ivm") -> dict:
@@ -201,8 +225,9 @@ def _answers(port: int) -> bool:
         return False
 
 
-def up(home: Path, workers: int = WORKERS, timeout: float = 600) -> dict:
+def up(home: Path, workers: int = WORKERS, timeout: float = 600, iceberg: bool = False) -> dict:
     home = home.resolve()
+    packages = server_packages(iceberg)  # before anything starts: a line without Iceberg is refused
     pids_file = home / "pids.json"
     if pids_file.exists():
         recorded = json.loads(pids_file.read_text())
@@ -236,7 +261,7 @@ def up(home: Path, workers: int = WORKERS, timeout: float = 600) -> dict:
         argv = [str(sh / "bin" / "spark-submit"), "--master", master_url, "--deploy-mode", "client",
                 "--class", "org.apache.spark.sql.hive.thriftserver.HiveThriftServer2",
                 "--name", "dbt-ivm Thrift server"]
-        for k, v in server_conf(home, delta_jars(home, env)).items():
+        for k, v in server_conf(home, delta_jars(home, env, packages), iceberg).items():
             argv += ["--conf", f"{k}={v}"]
         pids["thrift"] = _start("thrift", argv + ["spark-internal"], home, env)
         _save(pids_file, pids)
@@ -282,6 +307,8 @@ def add_arguments(p) -> None:
                    help=f"where the cluster keeps its metastore, warehouse, logs and PIDs (default {DEFAULT_HOME})")
     p.add_argument("--workers", type=int, default=WORKERS)
     p.add_argument("--schema", default="dbt_ivm", help="the schema of the printed profile")
+    p.add_argument("--iceberg", action="store_true",
+                   help=f"also an Iceberg catalog named {ICEBERG_CATALOG!r} (Hadoop-type, under --home; Spark 3.5-4.1)")
 
 
 def run(args) -> int:
@@ -292,7 +319,7 @@ def run(args) -> int:
     try:
         if args.action == "up":
             started = time.time()
-            pids = up(home, args.workers)
+            pids = up(home, args.workers, iceberg=args.iceberg)
             print(f"cluster up in {time.time() - started:.0f}s: {', '.join(f'{n} {p}' for n, p in pids.items())} "
                   f"(PIDs in {home.resolve() / 'pids.json'}; logs in {home.resolve() / 'logs'})")
             print(f"Thrift server on {HOST}:{THRIFT_PORT}; a profiles.yml for it:\n")
@@ -302,7 +329,7 @@ def run(args) -> int:
             return 0
         print(yaml.safe_dump(target, sort_keys=False))
         return 0
-    except ClusterError as e:
+    except (ClusterError, IvmConfigError) as e:
         print(f"dbt-ivm cluster {args.action}: {e}", file=sys.stderr)
         return 1
 

@@ -162,12 +162,16 @@ ICEBERG = "iceberg"
 def iceberg_available() -> bool:
     from dbt_ivm.versions import LINES, installed_pyspark
 
+    if TARGET == "thrift":  # the cluster was started with --iceberg (./run thrift on such a line)
+        return os.environ.get("DBT_IVM_THRIFT_ICEBERG") == "1"
     version = installed_pyspark() or ""
-    return TARGET == "session" and any(version.startswith(k + ".") and v.iceberg_package for k, v in LINES.items())
+    return any(version.startswith(k + ".") and v.iceberg_package for k, v in LINES.items())
 
 
 def iceberg_catalog() -> dict:
-    if not iceberg_available():
+    """The test session's Iceberg catalog settings (none through Thrift: the
+    server's ``cluster up --iceberg`` made it)."""
+    if TARGET == "thrift" or not iceberg_available():
         return {}
     return {f"spark.sql.catalog.{ICEBERG}": "org.apache.iceberg.spark.SparkCatalog",
             f"spark.sql.catalog.{ICEBERG}.type": "hadoop",

@@ -74,3 +74,23 @@ def test_profile_and_server_conf(tmp_path):
     assert conf["spark.databricks.delta.properties.defaults.enableChangeDataFeed"] == "true"
     assert conf["spark.sql.extensions"] == "io.delta.sql.DeltaSparkSessionExtension"
     assert str(tmp_path / "metastore_db") in conf["spark.hadoop.javax.jdo.option.ConnectionURL"]
+
+
+def test_an_iceberg_cluster_names_an_iceberg_catalog_beside_deltas(tmp_path, monkeypatch):
+    from dbt_ivm import versions
+    from dbt_ivm.errors import IvmConfigError
+
+    conf = cluster.server_conf(tmp_path, ["/j/delta-spark.jar", "/j/iceberg-runtime.jar"], iceberg=True)
+    assert conf["spark.sql.extensions"].split(",") == [
+        "io.delta.sql.DeltaSparkSessionExtension", "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions"]
+    assert conf["spark.sql.catalog.spark_catalog"] == "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+    assert conf["spark.sql.catalog.iceberg"] == "org.apache.iceberg.spark.SparkCatalog"
+    assert conf["spark.sql.catalog.iceberg.warehouse"] == str(tmp_path / "iceberg")
+    assert conf["spark.sql.catalog.iceberg.cache-enabled"] == "false"
+    monkeypatch.setattr(versions, "installed_pyspark", lambda: "3.5.9")
+    assert cluster.server_packages(iceberg=True).split(",") == [
+        "io.delta:delta-spark_2.12:3.3.2", "org.apache.iceberg:iceberg-spark-runtime-3.5_2.12:1.10.0"]
+    monkeypatch.setattr(versions, "installed_pyspark", lambda: "4.2.0")
+    with pytest.raises(IvmConfigError, match="no Spark runtime for Spark 4.2"):
+        cluster.up(tmp_path, iceberg=True)  # refused before anything starts
+    assert not (tmp_path / "pids.json").exists()
