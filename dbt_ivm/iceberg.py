@@ -26,6 +26,7 @@ What each snapshot of the window leads to:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Optional
@@ -180,6 +181,23 @@ def blocker(name: str, snaps: list[Snapshot]) -> Optional[Reason]:
                 "delete-file-threshold 1); or partition the model by a partition column of the source to "
                 "replace only the partitions touched")
     return None
+
+
+def held_delete_files(name: str, snapshots: tuple) -> Optional[Reason]:
+    """Why the next change of a table could not be read by its changelog: its
+    current snapshot (the lineage's first) holds delete files, which every
+    later snapshot keeps until they are compacted away (``dbt-ivm explain``).
+
+    >>> held_delete_files("db.t", ((2, 1, "delete", 0, 0, 1, 1, 1, 9),)).code
+    'ICEBERG_DELETE_FILES'
+    >>> held_delete_files("db.t", ((2, 1, "append", 1, 0, 0, 0, 0, 9),)) is None
+    True
+    """
+    if not snapshots:
+        return None
+    current = Snapshot(*snapshots[0])
+    return blocker(name, [dataclasses.replace(current, operation=APPEND, delete_files=0)]) \
+        if current.total_delete_files else None
 
 
 def changelog_view(table: str, start: int, end: int, tag: str = "") -> str:

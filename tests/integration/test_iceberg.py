@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import ICEBERG, DbtProject, check_model, fresh_schemas, iceberg_available, sql
+from dbt_ivm.explain import explain_live
+from tests.harness import ICEBERG, DbtProject, SessionExecutor, check_model, fresh_schemas, iceberg_available, sql
 
 pytestmark = [pytest.mark.spark, pytest.mark.skipif(
     not iceberg_available(), reason="Apache Iceberg publishes no Spark runtime for this Spark line (the 3.5 leg runs it)")]
@@ -26,6 +27,9 @@ MODELS = {
     "by_day": "{{{{ config(materialized='incremental_mv', partition_by=['d']) }}}}\n"
               "select d, g, sum(amt) as s, count(*) as n from {t} group by d, g",
 }
+
+
+BY_G = MODELS["by_g"].replace("{{{{ source('ice', 'orders') }}}}", T)  # as compiled
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +120,11 @@ def test_merge_on_read_deletes_replace_partitions_or_rebuild(project):
     assert {f for f in files if f[0] == 12} != {f for f in after if f[0] == 12}
     out = project.dbt("run")  # nothing changed since: NOOP everywhere
     assert {out.code(n) for n in MODELS} == {"NOOP"}
+    # dbt-ivm explain, live: the next change of a table holding delete files is not read row by row
+    verdict = explain_live(SessionExecutor(), BY_G, {})
+    assert (verdict["strategy"], verdict["reason"]) == ("FULL", "ICEBERG_DELETE_FILES"), verdict
+    assert verdict["sources"][0]["kind"] == "iceberg"
+    assert project.dbt("run-operation", "ivm_explain", "--args", "{model: by_day}").success
 
 
 def test_changes_after_delete_files_are_compacted_away_are_incremental_again(project):
@@ -129,6 +138,8 @@ def test_changes_after_delete_files_are_compacted_away_are_incremental_again(pro
     sql(f"insert into {T} values (2501, 'g1', 2.0, 2)")
     sql(f"delete from {T} where k = 2500")
     assert {c for c, _ in _run(project).values()} == {"INCREMENTAL"}
+    verdict = explain_live(SessionExecutor(), BY_G, {})
+    assert verdict["strategy"] == "INCREMENTAL", verdict
 
 
 def test_a_rollback_rebuilds(project):
