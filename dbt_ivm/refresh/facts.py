@@ -235,15 +235,22 @@ def iceberg_partition_changes(ex: Executor, s: Source, snaps: list) -> Optional[
     data or delete files the Iceberg snapshots ``snaps`` added or removed,
     from the manifests' entries (``all_entries``: metadata, no data file
     opened); a compaction (replace) changes no rows and counts for nothing.
-    None where the partitions are not identity columns."""
+    None where the partitions are not identity columns, or where the table
+    has had more than one partition spec: a file of a spec without the
+    column has no value for it, and a NULL there is not the rows' value."""
     ids = [exp.Literal.number(x.id) for x in snaps if x.operation != iceberg.REPLACE]
     if not s.partitions:
         return None
     if not ids:
         return []
+    entries = iceberg.metadata_table(s.physical, "all_entries")
+    spec = exp.Dot.build([exp.column("data_file"), exp.to_identifier("spec_id")])
+    specs = ex.query(render(select(exp.Count(this=exp.Distinct(expressions=[spec]))).from_(entries)))
+    if int(specs[0][0] or 0) > 1:
+        return None
     values = [exp.cast(exp.Dot.build([exp.column("data_file"), exp.to_identifier("partition"),
                                       exp.to_identifier(c, quoted=True)]), "STRING") for c in s.partitions]
-    query = select(*values).distinct().from_(iceberg.metadata_table(s.physical, "all_entries")).where(
+    query = select(*values).distinct().from_(entries.copy()).where(
         exp.and_(exp.column("snapshot_id").isin(*ids), exp.column("status").neq(exp.Literal.number(0))))
     return [tuple(None if v is None else str(v) for v in row) for row in ex.query(render(query))]
 

@@ -120,7 +120,7 @@ def _changed_values(ex: Executor, column: str, mapped: dict, changed: list[Sourc
                 return Reason("SOURCE_VERSION_REWOUND", f"the snapshot of source {s.name} the last refresh consumed "
                               "is not an ancestor of its current snapshot")
             parts = iceberg_partition_changes(ex, s, snaps)
-            where = "its partitions are not identity partitions of its columns"
+            where = "its partitions are not identity partitions of its columns, or its partition spec evolved"
         elif s.kind == OTHER:
             parts = listing_changes(listings.get(s.physical), s.listing)
             where = "no file listing of it was recorded or it could not be listed"

@@ -149,3 +149,16 @@ def test_a_rollback_rebuilds(project):
     sql(f"call {ICEBERG}.system.rollback_to_snapshot('{SRC}.orders', {keep})")
     got = _run(project)
     assert set(got.values()) == {("FULL", "SOURCE_VERSION_REWOUND")}, got
+
+
+def test_a_partition_spec_evolution_is_not_read_by_partition(project):
+    """A file written under another partition spec has no value for a column
+    that spec lacks: the partitions a change touched are unknown, so a merge-on-
+    read change of a table whose spec evolved rebuilds."""
+    sql(f"alter table {T} add partition field g")
+    sql(f"alter table {T} set tblproperties ('write.delete.mode' = 'merge-on-read')")
+    sql(f"insert into {T} values (4000, 'g2', 1.0, 12), (4001, 'g2', 2.0, 12)")  # a file of the new spec
+    sql(f"delete from {T} where k = 4000")  # some rows of a file: a position delete
+    got = _run(project, responses=True)
+    assert (got["by_day"]["code"], got["by_day"].get("reason")) == ("FULL", "ICEBERG_DELETE_FILES"), got["by_day"]
+    assert "PARTITION_CHANGES_UNKNOWN" in str(got["by_day"].get("skipped")), got["by_day"]
