@@ -194,12 +194,17 @@ def _scan_delta(source: Source, window: Window) -> exp.Query:
         table_changes(source.physical, start, end))
 
 
-def changelogs(sources: list[Source], window: Window) -> list[exp.Expression]:
-    """The statements that create the changelog views the window's Iceberg
-    deltas read (dbt_ivm.iceberg), to run before any statement reading them."""
-    return [iceberg.create_changelog(s.physical, window.old[s.physical], window.new[s.physical],
-                                     iceberg.changelog_view(s.physical, window.old[s.physical], window.new[s.physical]))
-            for s in sources if s.kind == ICEBERG and window.changed(s)]
+def changelogs(sources: list[Source], window: Window) -> list[tuple[str, exp.Expression]]:
+    """(view, the statement creating it) of each changelog view the window's
+    Iceberg deltas read (dbt_ivm.iceberg): to run before any statement reading
+    them; temporary views of the session, the caller drops them after."""
+    out = []
+    for s in sources:
+        if s.kind == ICEBERG and window.changed(s):
+            old, new = window.old[s.physical], window.new[s.physical]
+            view = iceberg.changelog_view(s.physical, old, new)
+            out.append((view, iceberg.create_changelog(s.physical, old, new, view)))
+    return out
 
 
 def _iceberg_delta(source: Source, window: Window) -> exp.Query:

@@ -91,13 +91,17 @@ def run(ctx: Context, broadcast: bool) -> Outcome:
     window = materialized(Window(old=ctx.watermark.versions(), new=ctx.versions(), broadcast=broadcast),
                           ctx.run_id)
     shared = _Pieces(ctx, window)
-    for statement in changelogs(ctx.sources, window):  # Iceberg sources' changes, as views
-        ctx.ex.query(render(statement))
+    views = []
     with commit.session_confs(ctx.ex, {PLAN_STRING: PLAN_STRING_LIMIT}):
         try:
+            for view, statement in changelogs(ctx.sources, window):  # Iceberg sources' changes, as views
+                ctx.ex.query(render(statement))
+                views.append(view)
             return _statements(ctx, shared, window)
         finally:
             shared.drop()
+            for view in views:
+                ctx.ex.query(render(drop_view(view)))
 
 
 def _statements(ctx: Context, shared: _Pieces, window: Window) -> Outcome:

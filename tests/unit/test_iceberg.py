@@ -73,8 +73,8 @@ def test_the_change_size_comes_from_the_summaries_and_a_compaction_counts_nothin
 def test_the_change_is_read_from_the_changelog_view_with_weights():
     src = _source(150)
     window = delta.Window(old={NAME: 101}, new={NAME: 150})
-    (call,) = delta.changelogs([src], window)
-    view = iceberg.changelog_view(NAME, 101, 150)
+    ((view, call),) = delta.changelogs([src], window)
+    assert view == iceberg.changelog_view(NAME, 101, 150)
     assert render(call) == ("CALL `iceberg`.`system`.`create_changelog_view`(table => '`db`.`t`', options => "
                             f"MAP('start-snapshot-id', '101', 'end-snapshot-id', '150'), changelog_view => '{view}')")
     body = render(delta._scan_delta(src, window))
