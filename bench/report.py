@@ -42,10 +42,11 @@ SCALING_CHANGE = 10_000
 # measured on later code, replace s26_small's; the s29 files' 0.1 % cells at 1 M and
 # 10 M, on the code that keeps aggregates merged and builds MIN/MAX top-1, replace
 # theirs: s29_10m's plain-row shapes ran merged, s29_10m_rows's as auto keeps them).
+# grid-100m: the 100 M cells, resumed run by run (./run bench --sizes 100m ... --resume).
 RESULTS = HERE / "results"
 CURRENT = ("s26_small.json", "s26_fix_small.json", "s26_10m.json", "s26_10m_1pct.json",
            "s27_10m_001pct.json", "s27_10m_10pct.json", "s29_1m.json", "s29_10m.json", "s29_minmax_thin.json",
-           "s29_10m_rows.json")
+           "s29_10m_rows.json", "grid-100m.json")
 # The fallback chain on a partitioned source (bench/partition.py): file, the command that made it.
 PARTITION_CURRENT = (
     ("partition-1m-s22c.json", "./run bench-partition (1 M rows over 30 days, 5 timed rounds per change: "
