@@ -60,8 +60,9 @@ class Snapshot:
 
     @classmethod
     def of_row(cls, row) -> "Snapshot":
-        """A ``SELECT snapshot_id, parent_id, operation, summary FROM t.snapshots`` row."""
-        summary = _as_map(row[3])
+        """A ``SELECT snapshot_id, parent_id, operation, summary FROM t.snapshots`` row,
+        its summary as a dict (refresh.facts reads it so, from a session or Thrift)."""
+        summary = row[3] or {}
 
         def n(*keys: str) -> int:
             return sum(_int(summary.get(k)) or 0 for k in keys)
@@ -81,21 +82,6 @@ def _int(value) -> Optional[int]:
         return int(str(value).strip('"'))
     except (TypeError, ValueError):
         return None
-
-
-def _as_map(value) -> dict:
-    """A summary map: a dict from a Spark session, JSON-ish text through Thrift."""
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, str) and value.startswith("{"):
-        import json
-
-        try:
-            data = json.loads(value)
-            return data if isinstance(data, dict) else {}
-        except ValueError:
-            return {}
-    return {}
 
 
 def lineage(rows: list, current: Optional[int]) -> tuple:

@@ -18,7 +18,7 @@ from dbt_ivm.config import APPEND, MATERIALIZATIONS
 from dbt_ivm.names import canonical, ident_text, namespace, parts, string
 from dbt_ivm.plan import BAG
 from dbt_ivm.executor import Executor
-from dbt_ivm.refresh.log import commit_stamps, history_head
+from dbt_ivm.refresh.log import as_map, commit_stamps, history_head
 from dbt_ivm.refresh.watermark import Watermark
 from dbt_ivm.sqltree import call, render, select
 from dbt_ivm.versions import Target
@@ -136,7 +136,7 @@ def describe_iceberg(ex: Executor, name: str, columns: tuple, partitions: tuple)
     main = ex.query(render(select(exp.column("snapshot_id")).from_(refs).where(
         exp.column("name").eq(exp.Literal.string("main")))))
     current = int(main[0][0]) if main and main[0][0] is not None else None
-    lineage = iceberg.lineage(rows, current)
+    lineage = iceberg.lineage([(*r[:3], as_map(r[3])) for r in rows], current)
     identity = all(not any(ch in p for ch in "()") for p in partitions)
     return Source(name=name, columns=columns, kind=ICEBERG, version=current, cdf=True,
                   partitions=partitions if identity else (), lineage=lineage)

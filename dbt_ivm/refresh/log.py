@@ -44,7 +44,7 @@ def commit_stamps(history: list[tuple]) -> tuple:
     return tuple(out)
 
 
-def _as_map(value) -> dict:
+def as_map(value) -> dict:
     """A DESCRIBE HISTORY map column: a dict from a Spark session, a JSON-ish
     string through Thrift."""
     if isinstance(value, dict):
@@ -60,7 +60,7 @@ def _as_map(value) -> dict:
 
 def op_metrics(row: tuple) -> dict:
     """A DESCRIBE HISTORY row's operationMetrics (column 12), as a dict."""
-    return _as_map(row[12] if len(row) > 12 else None)
+    return as_map(row[12] if len(row) > 12 else None)
 
 
 def user_metadata(row: tuple) -> Optional[str]:
@@ -100,7 +100,7 @@ def window_estimate(history: list[tuple], old: int, new: int) -> tuple[Optional[
     changed, net = 0, 0
     for row in window:
         op = str(row[4] or "").upper()
-        params, metrics = _as_map(row[5]), op_metrics(row)
+        params, metrics = as_map(row[5]), op_metrics(row)
 
         def metric(*names: str) -> Optional[int]:
             try:
@@ -185,7 +185,7 @@ def dv_merges(history: list[tuple]) -> int:
     n = 0
     for row in history:
         op = str(row[4] or "").upper()
-        params = _as_map(row[5])
+        params = as_map(row[5])
         if op in _REWRITES or (op == "WRITE" and str(params.get("mode", "")).strip('"') == "Overwrite"):
             break
         if op == "MERGE":
@@ -257,7 +257,7 @@ def append_layers(history: list[tuple]) -> Layers:
     appends, rows = 0, 0
     for row in history:
         op = str(row[4] or "").upper()
-        params = _as_map(row[5])
+        params = as_map(row[5])
         mode = str(params.get("mode", "")).strip('"')
         metrics = op_metrics(row)
         mark = maintenance_mark(user_metadata(row))
