@@ -25,7 +25,7 @@ from sqlglot import exp
 from dbt_ivm.aggregate_state import (aggregate_full_state, aggregate_layer, aggregate_merge, folded_aggregate,
                                      group_changes)
 from dbt_ivm.bag_state import bag_layer, bag_merge, bag_units, distinct_state, folded_bag
-from dbt_ivm.catalog import DELTA, ICEBERG, MV, Source
+from dbt_ivm.catalog import DELTA, ICEBERG, ICEBERG_MV, MV, Source
 from dbt_ivm.delta import Window
 from dbt_ivm.model import Model
 from dbt_ivm.names import PREFIX
@@ -133,7 +133,7 @@ def pinned_query(model: Union[str, Model], sources: list[Source], versions: dict
         if src is None:
             continue
         version = versions.get(src.physical)
-        if src.kind == MV:
+        if src.kind in (MV, ICEBERG_MV):
             t.replace(aliased(_mv_rows(src, version), t.alias or t.name))
         elif src.kind in (DELTA, ICEBERG) and version is not None:
             t.set("version", at_version(src.physical, version).args["version"])

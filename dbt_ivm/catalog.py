@@ -15,6 +15,7 @@ DELTA = "delta"  # a Delta table: snapshots by VERSION AS OF, changes by table_c
 MV = "mv"  # another incremental_mv: read through its Delta state table
 OTHER = "other"  # anything else (parquet table, plain view...): only full rebuilds
 ICEBERG = "iceberg"  # an Iceberg table: snapshots by VERSION AS OF <snapshot id>, changes by its changelog
+ICEBERG_MV = "iceberg_mv"  # an incremental_mv whose state is Iceberg: read at its state's snapshot, full rebuilds
 LAYERED = "layered"  # an incremental_mv whose state is appended layers: read through its view, full rebuilds
 
 

@@ -16,6 +16,7 @@ dbt_ivm.errors.IvmConfigError: Invalid ivm_policy provided for model m: 0 (int).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Union
 
@@ -26,6 +27,11 @@ POLICIES = ("auto", "incremental", "partition", "full")
 CHANGE_FEED = ("auto", "true", "false")
 DELETION_VECTORS = ("auto", "true", "false")
 MERGE, APPEND = "merge", "append"
+DELTA_FORMAT, ICEBERG_FORMAT = "delta", "iceberg"
+FILE_FORMATS = (DELTA_FORMAT, ICEBERG_FORMAT)
+# Iceberg state properties dbt-ivm sets itself (refresh.iceberg_state.TABLE_PROPERTIES):
+# its row-level writes stay copy-on-write.
+_ICEBERG_OWN = frozenset({"write.delete.mode", "write.update.mode", "write.merge.mode"})
 LAYOUTS = ("auto", MERGE, APPEND)
 COST_RULE = ("auto", "off")
 ON_CHANGE = ("apply", "continue", "fail")
@@ -59,6 +65,11 @@ KEYS = {
     "ivm_history": ("history", "true (a row per refresh in <target schema>.ivm_refresh_history), false, or the "
                                "name of the history table"),
     "partition_by": ("partition_by", "a column name or a list of column names of the model"),
+    "file_format": ("file_format", "delta (the state is a Delta table beside the model's view), iceberg (the state "
+                                   "is an Iceberg table in the catalog ivm_iceberg_catalog names; Spark 4.0 or 4.1)"),
+    "ivm_iceberg_catalog": ("iceberg_catalog", "the name of the Spark catalog (an Iceberg SparkCatalog) that "
+                                               "holds the state of a model with file_format 'iceberg' "
+                                               "(default: iceberg)"),
     "tblproperties": ("properties", "a mapping of table property names to values, set on the state table (Delta "
                                     "properties such as delta.logRetentionDuration; not the change feed's or "
                                     "deletion vectors', which ivm_change_feed and ivm_deletion_vectors set)"),
@@ -76,7 +87,7 @@ MATERIALIZATIONS = ("incremental_mv", "materialized_view")
 INTERNAL = {"ivm_mv_dependents": "mv_dependents", "ivm_target_schema": "target_schema",
             "ivm_invocation_id": "invocation_id"}
 
-_CHOICES = ("on_configuration_change", "ivm_policy", "ivm_change_feed", "ivm_deletion_vectors", "ivm_state_layout", "ivm_cost_rule")
+_CHOICES = ("file_format", "on_configuration_change", "ivm_policy", "ivm_change_feed", "ivm_deletion_vectors", "ivm_state_layout", "ivm_cost_rule")
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,8 @@ class Config:
     history: Union[bool, str] = True
     partition_by: tuple = ()
     properties: tuple = ()  # ((name, value), ...) sorted: the model's tblproperties
+    file_format: str = DELTA_FORMAT
+    iceberg_catalog: str = "iceberg"
     mv_dependents: bool = False
     target_schema: Optional[str] = None
     invocation_id: Optional[str] = None
@@ -131,6 +144,9 @@ class Config:
                 raise bad(key)
             return value.strip().lower()
 
+        file_format = _file_format(config, bad, where)
+        if file_format == ICEBERG_FORMAT:  # merged, no feed, no deletion vectors (_file_format)
+            config = {**config, "ivm_state_layout": MERGE, "ivm_change_feed": False, "ivm_deletion_vectors": False}
         return cls(
             on_change=_on_change(config.get("on_configuration_change"), bad),
             policy=choice("ivm_policy", POLICIES, booleans=False),
@@ -143,7 +159,9 @@ class Config:
             deletion_vectors=choice("ivm_deletion_vectors", DELETION_VECTORS, booleans=True),
             history=_history(config.get("ivm_history"), bad),
             partition_by=tuple(_columns(config.get("partition_by"), bad)),
-            properties=_properties(config.get("tblproperties"), bad, where),
+            properties=_properties(config.get("tblproperties"), bad, where, file_format),
+            file_format=file_format,
+            iceberg_catalog=_iceberg_catalog(config.get("ivm_iceberg_catalog"), bad),
             mv_dependents=bool(config.get("ivm_mv_dependents")),
             target_schema=config.get("ivm_target_schema"),
             invocation_id=config.get("ivm_invocation_id"),
@@ -157,6 +175,11 @@ class Config:
         out["partition_by"] = list(self.partition_by)
         out["tblproperties"] = dict(self.properties)
         return out
+
+    @property
+    def iceberg(self) -> bool:
+        """The state is an Iceberg table (file_format 'iceberg')."""
+        return self.file_format == ICEBERG_FORMAT
 
     @property
     def weighs_costs(self) -> bool:
@@ -207,7 +230,37 @@ def _columns(value, bad) -> list:
     return [v.strip().strip("`").lower() for v in values]
 
 
-def _properties(value, bad, where: str) -> tuple:
+def _file_format(config: dict, bad, where: str) -> str:
+    """delta (the default) or iceberg; an Iceberg state is kept merged and
+    has neither a change data feed nor deletion vectors, so those configs may
+    not ask for them."""
+    value = config.get("file_format")
+    if value is None:
+        return DELTA_FORMAT
+    if not isinstance(value, str) or value.strip().lower() not in FILE_FORMATS:
+        raise bad("file_format")
+    value = value.strip().lower()
+    if value == ICEBERG_FORMAT:
+        for key, refused in (("ivm_state_layout", "append"), ("ivm_change_feed", "true"),
+                             ("ivm_deletion_vectors", "true")):
+            given = config.get(key)
+            if str(given).strip().lower() == refused:
+                raise IvmConfigError(
+                    f"Invalid {key} provided{where}: {given!r} with file_format 'iceberg'. An Iceberg state is "
+                    "kept merged, without a change data feed or deletion vectors (Delta features): remove "
+                    f"{key}, or keep the state in Delta (file_format: delta).")
+    return value
+
+
+def _iceberg_catalog(value, bad) -> str:
+    if value is None:
+        return "iceberg"
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value.strip()):
+        raise bad("ivm_iceberg_catalog")
+    return value.strip()
+
+
+def _properties(value, bad, where: str, file_format: str = DELTA_FORMAT) -> tuple:
     """dbt-spark's tblproperties: a mapping of names to scalar values (held as
     text, as Delta stores them); the properties dbt-ivm sets itself refused."""
     if value is None:
@@ -219,6 +272,10 @@ def _properties(value, bad, where: str) -> tuple:
     for key, v in value.items():
         key = key.strip()
         lowered = key.lower()
+        if file_format == ICEBERG_FORMAT and lowered in _ICEBERG_OWN:
+            raise IvmConfigError(f"Invalid tblproperties provided{where}: {key} is set by dbt-ivm itself on an "
+                                 "Iceberg state (copy-on-write: a merge-on-read state would keep delete files "
+                                 "every read merges); remove it.")
         if lowered.startswith("dbt_ivm.") or lowered in _OWN_PROPERTIES:
             instead = _OWN_PROPERTIES.get(lowered)
             raise IvmConfigError(f"Invalid tblproperties provided{where}: {key} is set by dbt-ivm itself"

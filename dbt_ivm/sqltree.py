@@ -162,9 +162,10 @@ def _properties(props: dict) -> list[exp.Property]:
     return [exp.Property(this=string(k), value=string(v)) for k, v in props.items()]
 
 
-def create_table(target: names.TableRef, query: exp.Query, props: dict, partition_by: list) -> exp.Create:
-    """``CREATE TABLE target USING delta [PARTITIONED BY (cols)] TBLPROPERTIES (props) AS query``."""
-    found: list[Node] = [exp.FileFormatProperty(this=exp.Var(this="delta"))]
+def create_table(target: names.TableRef, query: exp.Query, props: dict, partition_by: list,
+                 provider: str = "delta") -> exp.Create:
+    """``CREATE TABLE target USING provider [PARTITIONED BY (cols)] TBLPROPERTIES (props) AS query``."""
+    found: list[Node] = [exp.FileFormatProperty(this=exp.Var(this=provider))]
     if partition_by:
         found.append(exp.PartitionedByProperty(this=exp.Schema(expressions=[ident(c) for c in partition_by])))
     return exp.Create(this=table(target), kind="TABLE", expression=query,

@@ -130,6 +130,14 @@ class Target:
         return bool(match) and (int(match.group(1)), int(match.group(2))) >= (major, minor)
 
     @property
+    def iceberg_state(self) -> bool:
+        """An Iceberg state's watermark can ride in its write's snapshot
+        summary (``spark.sql.iceberg.snapshot-property.*``): the Iceberg
+        runtimes of Spark 4.0 and 4.1 (1.11, 1.12) put it there, Spark 3.5's
+        (1.10) does not (refresh.iceberg_state)."""
+        return self._at_least(4, 0)
+
+    @property
     def topk_by(self) -> bool:
         """``min_by(x, y, k)`` / ``max_by(x, y, k)``, a bounded heap (SPARK-55322, Spark 4.2)."""
         return self._at_least(4, 2)

@@ -27,6 +27,7 @@ from dbt_ivm.refresh.log import (
     append_layers, commit_stamps, describe_history, dv_merges, estimate_changes, window_estimate,
     written_bytes,
 )
+from dbt_ivm.refresh.measure import find_state
 from dbt_ivm.refresh.refresher import refresh
 from dbt_ivm.refresh.values import CREATE, FULL, INCREMENTAL, NOOP, PARTITION, Decision, Result
 from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, foreign_write, measured_costs, read_watermark, state_name
@@ -36,6 +37,6 @@ __all__ = [
     "INCREMENTAL_PRIOR_S", "LAYER_FRACTION", "MAINTENANCE_MARK", "MAX_LAYERS", "NOOP", "PARTITION", "PROP_KIND",
     "PROP_LAYOUT", "PROP_STATE", "RETRY_AFTER", "Result", "SMALL_CHANGE", "Watermark",
     "append_layers", "cheapest", "estimates", "commit_stamps", "decide", "describe_history", "describe_source",
-    "dv_merges", "estimate_changes", "fold_due", "foreign_write", "has_mv_readers", "measured_costs",
+    "dv_merges", "estimate_changes", "find_state", "fold_due", "foreign_write", "has_mv_readers", "measured_costs",
     "partition_floor", "read_watermark", "refresh", "state_name", "too_large", "window_estimate", "written_bytes",
 ]

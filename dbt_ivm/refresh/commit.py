@@ -12,11 +12,14 @@ import hashlib
 import json
 from typing import Optional
 
+from sqlglot import exp
+
 from dbt_ivm import apply
 from dbt_ivm.config import APPEND
 from dbt_ivm.errors import IvmError, Reason
 from dbt_ivm.names import set_value
 from dbt_ivm.plan import BAG, Plan
+from dbt_ivm.refresh import iceberg_state
 from dbt_ivm.refresh.context import Context, Written
 from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, PROP_VIEW
 from dbt_ivm.executor import Executor
@@ -24,8 +27,11 @@ from dbt_ivm.refresh.log import describe_history, user_metadata
 from dbt_ivm.refresh.values import INCREMENTAL, NOOP, PARTITION, Decision
 from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, read_watermark
 from dbt_ivm.projection import SOURCE
-from dbt_ivm.sqltree import aliased, create_view as create_view_statement, render, select
+from dbt_ivm.sqltree import aliased, create_view as create_view_statement, insert, render, select, table
 from dbt_ivm.sqltree import set_properties as set_properties_statement, unset_properties
+
+
+OVERWRITE_MODE = "spark.sql.sources.partitionOverwriteMode"
 
 
 def digest(text: str) -> str:
@@ -37,14 +43,14 @@ def session_confs(ex: Executor, confs: dict):
     """Spark session confs set around a block: directly where the executor
     can (the embedded session: ``session_conf``), otherwise SET / RESET."""
     if not ex.session_conf(confs):
-        for k, v in confs.items():
-            ex.query(f"SET {k}={set_value(v)}")
+        for k, v in confs.items():  # both quoted: a key may hold '-' (Iceberg's snapshot properties)
+            ex.query(f"SET {set_value(k)}={set_value(v)}")
     try:
         yield
     finally:
         if not ex.session_conf(confs, reset=True):
             for k in confs:
-                ex.query(f"RESET {k}")
+                ex.query(f"RESET {set_value(k)}")
 
 
 def committing(ctx: Context, wm: Watermark, version: Optional[int], extra: Optional[dict] = None):
@@ -54,6 +60,8 @@ def committing(ctx: Context, wm: Watermark, version: Optional[int], extra: Optio
     the table's current version, which other commits — OPTIMIZE, a change-feed
     switch — move): two refreshes from the same watermark carry the same txn
     version, and Delta skips the second."""
+    if ctx.config.iceberg:  # the watermark in the snapshot summary; Iceberg has no idempotent-write key
+        return session_confs(ctx.ex, {**iceberg_state.confs(wm.to_json()), **(extra or {})})
     confs = {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json(), **(extra or {})}
     if version is not None:
         confs["spark.databricks.delta.write.txnAppId"] = f"dbt_ivm:{ctx.state}"
@@ -66,7 +74,10 @@ def maintenance(ctx: Context, mark: str = MAINTENANCE_MARK):
     its commit is marked as dbt-ivm's own (``mark``: a JSON object with
     ``dbt_ivm_maintenance``, log.maintenance_mark), so it is not taken for a
     write from outside (STATE_MODIFIED)."""
-    return session_confs(ctx.ex, {"spark.databricks.delta.commitInfo.userMetadata": mark})
+    # (an INSERT OVERWRITE of the whole state whatever the session's partitionOverwriteMode)
+    return session_confs(ctx.ex, {**(iceberg_state.confs(mark) if ctx.config.iceberg else
+                                     {"spark.databricks.delta.commitInfo.userMetadata": mark}),
+                                  OVERWRITE_MODE: "STATIC"})
 
 
 def my_commit(ctx: Context) -> Optional[tuple]:
@@ -81,7 +92,11 @@ def my_commit(ctx: Context) -> Optional[tuple]:
 
 
 def state_properties(ctx: Context) -> dict:
-    """The properties the state table should have: its Delta settings' and the model's tblproperties."""
+    """The properties the state table should have: its Delta settings' (an
+    Iceberg state: its format's, iceberg_state.TABLE_PROPERTIES) and the
+    model's tblproperties."""
+    if ctx.config.iceberg:
+        return {**iceberg_state.TABLE_PROPERTIES, **dict(ctx.config.properties)}
     return {
         "delta.enableChangeDataFeed": "true" if ctx.settings.change_feed else "false",
         "delta.enableDeletionVectors": "true" if ctx.settings.deletion_vectors else "false",
@@ -94,7 +109,8 @@ def set_properties(ctx: Context, old: Optional[Watermark]) -> bool:
     watermark recorded, and unset the model's tblproperties it no longer
     declares (metadata-only commits, made before the refresh's one write;
     harmless when repeated). Whether any changed."""
-    had = {} if old is None else {  # unrecorded: what the state tables of older versions had
+    had = {} if old is None else {**iceberg_state.TABLE_PROPERTIES, **(old.properties or {})} if ctx.config.iceberg \
+        else {  # unrecorded: what the state tables of older versions had
         "delta.enableChangeDataFeed": "false" if old.change_feed is False else "true",
         "delta.enableDeletionVectors": "true" if old.deletion_vectors else "false",
         **(old.properties or {}),
@@ -174,6 +190,14 @@ def restate(ctx: Context) -> bool:
                              view_sql=ctx.view.sql if ctx.view is not None else "", properties=declared)
     if gone:
         ctx.ex.query(render(unset_properties(ctx.state, gone)))
+    if ctx.config.iceberg:
+        # An Iceberg ALTER commits no snapshot: the watermark rides on an
+        # empty append (a snapshot without data files).
+        if wanted:
+            ctx.ex.query(render(set_properties_statement(ctx.state, wanted)))
+        with committing(ctx, wm, None):
+            ctx.ex.query(render(insert(ctx.state, select(exp.Star()).from_(table(ctx.state)).where(exp.false()))))
+        return True
     with session_confs(ctx.ex, {"spark.databricks.delta.commitInfo.userMetadata": wm.to_json()}):
         ctx.ex.query(render(set_properties_statement(ctx.state, {**wanted, PROP_VIEW: wm.view})))
     return True

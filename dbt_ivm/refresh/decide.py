@@ -12,7 +12,7 @@ import math
 from typing import Optional
 
 from dbt_ivm import iceberg
-from dbt_ivm.catalog import ICEBERG, LAYERED, MV, OTHER, Source
+from dbt_ivm.catalog import ICEBERG, ICEBERG_MV, LAYERED, MV, OTHER, Source
 from dbt_ivm.errors import Reason
 from dbt_ivm.refresh.values import CREATE, FULL, INCREMENTAL, NOOP, PARTITION, Decision
 from dbt_ivm.refresh.watermark import Watermark
@@ -308,7 +308,7 @@ def rewound(s: Source, watermark: "Watermark") -> bool:
     """A Delta source (or an incremental_mv's state) whose versions do not go on
     from the one the watermark consumed: recreated, replaced or restored."""
     old = watermark.versions()
-    if s.kind == ICEBERG:  # snapshot ids are not ordered: the consumed one must be an ancestor
+    if s.kind in (ICEBERG, ICEBERG_MV):  # snapshot ids are not ordered: the consumed one must be an ancestor
         return iceberg.window(s.lineage, old.get(s.physical), s.version) is None
     return s.physical not in old or s.version is None or s.version < old[s.physical] or _replaced(s, watermark)
 
@@ -334,6 +334,12 @@ def incremental_blocker(changed: list[Source], watermark: "Watermark", unsupport
     if unsupported is not None:
         return unsupported
     for s in changed:
+        if s.kind == ICEBERG_MV:
+            return Reason(
+                "SOURCE_ICEBERG_STATE", f"source {s.name} is an incremental_mv with file_format 'iceberg': dbt-ivm "
+                "does not read its state's changes row by row",
+                f"keep {s.name}'s state in Delta (file_format: delta) for incremental refreshes of the models "
+                "reading it")
         if s.kind == LAYERED:
             return Reason(
                 "SOURCE_LAYERED", f"source {s.name} is an incremental_mv with ivm_state_layout 'append': "

@@ -13,7 +13,8 @@ from typing import Optional
 
 from dbt_ivm import apply
 from dbt_ivm import iceberg
-from dbt_ivm.catalog import DELTA, ICEBERG, LAYERED, MV, OTHER, Source
+from dbt_ivm.refresh import iceberg_state
+from dbt_ivm.catalog import DELTA, ICEBERG, ICEBERG_MV, LAYERED, MV, OTHER, Source
 from dbt_ivm.config import APPEND, MATERIALIZATIONS
 from dbt_ivm.names import canonical, ident_text, namespace, parts, string
 from dbt_ivm.plan import BAG
@@ -102,6 +103,8 @@ def _described(ex: Executor, name: str, histories: dict) -> Source:
         if props.get(PROP_LAYOUT) == APPEND:
             return Source(name=name, columns=tuple(columns), kind=LAYERED, cdf=False)
         state = canonical(state)
+        if iceberg_state.outside_session_catalog(state):
+            return _iceberg_mv(ex, name, tuple(columns), state, props)
         version, histories[state] = history_head(ex, state, HISTORY_DEPTH)
         stamps = commit_stamps(histories[state])
         mult = apply.COUNT if props.get(PROP_KIND) == BAG else None
@@ -122,6 +125,16 @@ def _described(ex: Executor, name: str, histories: dict) -> Source:
     cdf = props.get("delta.enableChangeDataFeed", "false").lower() == "true"
     return Source(name=name, columns=tuple(columns), kind=DELTA, version=version, cdf=cdf,
                   stamps=commit_stamps(histories[name]), partitions=tuple(partitions))
+
+
+def _iceberg_mv(ex: Executor, name: str, columns: tuple, state: str, props: dict) -> Source:
+    """An incremental_mv whose state is an Iceberg table (file_format
+    'iceberg'): read at its state's snapshot, changed when that snapshot is
+    another; its change is not read row by row (decide: SOURCE_ICEBERG_STATE)."""
+    table = describe_iceberg(ex, state, (), ())
+    mult = apply.COUNT if props.get(PROP_KIND) == BAG else None
+    return Source(name=name, columns=columns, kind=ICEBERG_MV, version=table.version, cdf=False,
+                  state_table=state, multiplicity=mult, lineage=table.lineage)
 
 
 def describe_iceberg(ex: Executor, name: str, columns: tuple, partitions: tuple) -> Source:

@@ -11,7 +11,7 @@ from dbt_ivm.delta import Window
 from dbt_ivm.errors import IvmConfigError
 from dbt_ivm.names import canonical
 from dbt_ivm.plan import AGGREGATE, BAG
-from dbt_ivm.refresh import commit
+from dbt_ivm.refresh import commit, iceberg_state
 from dbt_ivm.refresh.context import Context, Outcome, Written
 from dbt_ivm.executor import Executor
 from dbt_ivm.sqltree import create_table, describe_query, drop_table, insert, render, set_properties
@@ -77,6 +77,8 @@ def run(ctx: Context) -> Outcome:
         same = state_exists and state_schema(ctx.ex, ctx.state) == (new_schema, list(ctx.partition_by))
     if state_exists and not same:
         ctx.ex.query(render(drop_table(ctx.state)))
+    if not same and ctx.config.iceberg:
+        ctx.ex.query(render(iceberg_state.create_namespace(ctx.state)))
     if same:
         commit.set_properties(ctx, old)
     # (a rebuild's cost includes any property change: it is not marked settled)
@@ -86,15 +88,18 @@ def run(ctx: Context) -> Outcome:
     # a CREATE ... AS SELECT with column mapping while a change feed is on:
     # such a state is created (with the watermark) without the feed, and the
     # feed is switched on after, where wanted (a metadata-only commit).
-    mapped = not same and any(set(n) & _DELTA_RESERVED_CHARS for n, _ in new_schema)
+    mapped = not same and not ctx.config.iceberg and any(set(n) & _DELTA_RESERVED_CHARS for n, _ in new_schema)
     props = commit.state_properties(ctx)
     if mapped:
         props = {**props, "delta.columnMapping.mode": "name", "delta.enableChangeDataFeed": "false"}
-    with commit.committing(ctx, wm, old.commit_version if same and old else None):
+    # INSERT OVERWRITE replaces the whole state whatever the session's
+    # partitionOverwriteMode (dbt-spark's insert_overwrite sets it DYNAMIC).
+    with commit.committing(ctx, wm, old.commit_version if same and old else None, {commit.OVERWRITE_MODE: "STATIC"}):
         if same:
             ctx.ex.query(render(insert(ctx.state, body, overwrite=True)))
         else:
-            ctx.ex.query(render(create_table(ctx.state, body, props, list(ctx.partition_by))))
+            ctx.ex.query(render(create_table(ctx.state, body, props, list(ctx.partition_by),
+                                             "iceberg" if ctx.config.iceberg else "delta")))
     if mapped and ctx.settings.change_feed:
         ctx.ex.query(render(set_properties(ctx.state, {"delta.enableChangeDataFeed": "true"})))
     if not (keep_view and same):  # a re-created state table gets a new view too

@@ -172,8 +172,12 @@ def merge(ctx: Context, shared: _Pieces, window: Window, out: Outcome, change: O
     # Delta skips a write whose (txnAppId, txnVersion) it has already committed
     # and returns no metrics row: look at the history only then.
     if not rows or not any(int(v or 0) for v in rows[0]):
-        if commit.my_commit(ctx) is None:
+        mine = commit.my_commit(ctx)
+        if mine is None:
             return out.noop("ALREADY_APPLIED", "a concurrent refresh already applied this change")
+        if ctx.config.iceberg:  # an Iceberg MERGE returns no row: its snapshot summary counts
+            m = op_metrics(mine)
+            rows = [(None, *(m.get(f"spark.merge-into.num-target-rows-{n}") for n in ("updated", "deleted", "inserted")))]
     if rows:
         names = ("affected", "updated", "deleted", "inserted")
         out.rows = {n: int(v) for n, v in zip(names, rows[0]) if v is not None}

@@ -13,21 +13,22 @@ from typing import Optional
 from sqlglot import exp
 
 from dbt_ivm import budget, iceberg
-from dbt_ivm.catalog import ICEBERG, Catalog, Source
+from dbt_ivm.catalog import ICEBERG, ICEBERG_MV, Catalog, Source
 from dbt_ivm.config import Config
 from dbt_ivm.delta import table_changes
 from dbt_ivm.errors import IvmError, Reason, UnsupportedQuery
 from dbt_ivm.model import Model
-from dbt_ivm.names import canonical
+from dbt_ivm.names import canonical, namespace
 from dbt_ivm.plan import build_plan, signature
 from dbt_ivm.refresh import partition
 from dbt_ivm.refresh.commit import digest
 from dbt_ivm.refresh.context import Facts
 from dbt_ivm.refresh.decide import NOT_PARTITIONED, SMALL_CHANGE, changed_sources
-from dbt_ivm.refresh.facts import describe_source, relations_present, spark_target
+from dbt_ivm.refresh import iceberg_state
+from dbt_ivm.refresh.facts import PROP_STATE, describe_source, relations_present, spark_target
 from dbt_ivm.executor import Executor
 from dbt_ivm.refresh.log import history_head, window_estimate
-from dbt_ivm.refresh.watermark import Watermark, read_watermark
+from dbt_ivm.refresh.watermark import Watermark, read_watermark, state_name
 from dbt_ivm.sqltree import at_version, render, select
 
 
@@ -43,10 +44,49 @@ RECOUNT_AFTER = 10
 
 def read_state(ex: Executor, relation: str, state: str) -> tuple[bool, bool, Optional[Watermark]]:
     """(the state table exists, the model's view exists, the state's watermark)."""
-    present = relations_present(ex, [state, relation])
+    if namespace(state) == namespace(relation):
+        present = relations_present(ex, [state, relation])
+    else:  # an Iceberg state (refresh.iceberg_state), in its catalog's namespace of the model's schema
+        present = relations_present(ex, [relation]) | _present_in_catalog(ex, state)
     state_exists = state in present
     watermark = read_watermark(ex, state)[1] if state_exists else None
     return state_exists, relation in present, watermark
+
+
+def view_state(ex: Executor, relation: str) -> Optional[str]:
+    """The state table the model's view (which exists) says it reads (its
+    PROP_STATE), or None: a relation that is not such a view."""
+    rows = ex.query(f"SHOW TBLPROPERTIES {canonical(relation)}")
+    state = {str(r[0]): str(r[1]) for r in rows}.get(PROP_STATE)
+    return canonical(state) if state else None
+
+
+def find_state(ex: Executor, relation: str, iceberg_catalog: Optional[str] = None) -> Optional[str]:
+    """The state table dbt-ivm keeps for ``relation``: where its view says,
+    else beside it (Delta), else in ``iceberg_catalog`` (file_format
+    'iceberg'); None where none exists."""
+    delta_state = state_name(relation)
+    present = relations_present(ex, [relation, delta_state])
+    state = view_state(ex, relation) if relation in present else None
+    if state is not None and state != delta_state and _present_in_catalog(ex, state):
+        return state
+    if delta_state in present:
+        return delta_state
+    if iceberg_catalog:
+        candidate = iceberg_state.state_table(relation, iceberg_catalog)
+        if _present_in_catalog(ex, candidate):
+            return candidate
+    return None
+
+
+def _present_in_catalog(ex: Executor, state: str) -> set:
+    """{state} where it exists; a namespace not yet in the catalog holds nothing."""
+    try:
+        return relations_present(ex, [state])
+    except Exception as e:  # noqa: BLE001 - SHOW TABLES of a namespace the catalog lacks
+        if "NAMESPACE" in str(e).upper() or "SCHEMA_NOT_FOUND" in str(e).upper():
+            return set()
+        raise
 
 
 def gather(ex: Executor, model, config: Config, state: tuple[bool, bool, Optional[Watermark]]) -> Facts:
@@ -155,7 +195,7 @@ class Measures:
         for s in self.facts.sources:
             if old.get(s.physical) == s.version:
                 continue
-            if s.kind == ICEBERG:  # the snapshots' summaries say both
+            if s.kind in (ICEBERG, ICEBERG_MV):  # the snapshots' summaries say both
                 estimate, _ = iceberg.estimate(iceberg.window(s.lineage, old.get(s.physical), s.version) or [])
                 derived[s.name] = self.rows[s.physical] = iceberg_rows(s)
                 sizes[s.name] = [estimate, None, s]
@@ -208,7 +248,7 @@ class Measures:
         old = self.facts.watermark.versions()
         for s in self.facts.sources:
             before = self.rows.get(s.physical)
-            if s.kind == ICEBERG:
+            if s.kind in (ICEBERG, ICEBERG_MV):
                 self.rows[s.physical] = iceberg_rows(s)
                 continue
             if before is None or old.get(s.physical) is None or s.version is None:

@@ -31,7 +31,7 @@ from dbt_ivm.errors import IvmError, Reason
 from dbt_ivm.names import canonical, display
 from dbt_ivm.partitions import lineage, partitions_predicate
 from dbt_ivm.plan import BAG, PREFIX
-from dbt_ivm.refresh import commit
+from dbt_ivm.refresh import commit, iceberg_state
 from dbt_ivm.refresh.context import Context, Outcome, Written
 from dbt_ivm.refresh.decide import NOT_PARTITIONED, rewound
 from dbt_ivm.refresh.facts import delta_partition_changes, iceberg_partition_changes, listing_changes
@@ -145,7 +145,8 @@ def run(ctx: Context) -> Outcome:
     where = change.predicate(types[change.column])
     body, kind, columns = state_body(ctx.plan, sources, types, sums, pinned)
     rows = select(exp.Star()).from_(aliased(body, f"{PREFIX}p")).where(where.copy())
-    statement = render(insert(ctx.state, rows, replace_where=where))
+    statement = render(iceberg_state.replace_partitions(ctx.state, rows, change.column, where)
+                       if ctx.config.iceberg else insert(ctx.state, rows, replace_where=where))
     settled = commit.set_properties(ctx, watermark)
     key = commit.view_in_step(ctx, ctx.plan, kind, columns, watermark.typed())
     wm = commit.watermark(ctx, Decision(PARTITION, ctx.decision.reason), watermark.signature, watermark.columns,
@@ -162,7 +163,9 @@ def run(ctx: Context) -> Outcome:
     out.redefined = key is not None
     m = op_metrics(mine)
     for key, name in (("numOutputRows", "inserted"), ("numDeletedRows", "deleted"),
-                      ("numRemovedFiles", "files_removed"), ("numAddedFiles", "files_added")):
+                      ("numRemovedFiles", "files_removed"), ("numAddedFiles", "files_added"),
+                      ("deleted-records", "deleted"), ("deleted-data-files", "files_removed"),
+                      ("added-data-files", "files_added")):
         if m.get(key) is not None:
             out.rows[name] = int(str(m[key]).strip('"'))
     out.rows["partitions"] = count_partitions(ctx.ex, ctx.state, ctx.partition_by)
@@ -175,7 +178,7 @@ def count_partitions(ex: Executor, state: str, partition_by: tuple) -> Optional[
     (``delta_partition_count``), else counted by a query."""
     if not partition_by:
         return None
-    count = ex.delta_partition_count(canonical(state))
+    count = None if iceberg_state.outside_session_catalog(state) else ex.delta_partition_count(canonical(state))
     if count is not None:
         return count
     values = select(*(column_of(c) for c in partition_by)).distinct().from_(table(state))

@@ -22,13 +22,15 @@ from typing import Optional, Union
 
 from dbt_ivm.config import Config
 from dbt_ivm.model import Model
-from dbt_ivm.names import canonical
-from dbt_ivm.refresh import chain, commit, definition, full, history, incremental, partition
+from dbt_ivm.names import canonical, display
+from dbt_ivm.refresh import chain, commit, definition, full, history, iceberg_state, incremental, partition
 from dbt_ivm.refresh.context import Context, Docs, Outcome
 from dbt_ivm.executor import Executor
-from dbt_ivm.refresh.measure import Measures, gather, read_state
+from dbt_ivm.refresh.facts import spark_target
+from dbt_ivm.refresh.measure import Measures, find_state, gather, read_state
+from dbt_ivm.sqltree import drop_table, render
 from dbt_ivm.refresh.values import CREATE, FULL, INCREMENTAL, NOOP, PARTITION, Result
-from dbt_ivm.refresh.watermark import delta_conflict, state_name
+from dbt_ivm.refresh.watermark import delta_conflict, read_watermark, state_name
 
 
 # Changes up to this many rows are broadcast into joins (see delta.Window.broadcast).
@@ -45,7 +47,9 @@ def refresh(ex: Executor, model: Union[str, Model], relation: str, config: Union
     config = Config.of(config)
     model = Model.of(model)
     relation = canonical(relation)
-    state = state_name(relation)
+    state = state_of(relation, config)
+    if config.iceberg:
+        iceberg_state.check_session(ex, config.iceberg_catalog, spark_target(ex))
     phases: dict = {}
     found = read_state(ex, relation, state)
     chosen = definition.effective(model, config, found[2], full_refresh, relation)
@@ -66,9 +70,14 @@ def refresh(ex: Executor, model: Union[str, Model], relation: str, config: Union
                     warnings=list(chosen.warnings) + list(choice.warnings))
     result.estimates = {k: round(v[0], 2) for k, v in choice.estimates.items()}
     result.sizes = {n: c for n, (c, _) in choice.sizes.items()}
+    former = _former_state(ex, relation, state) if found[1] and not found[0] else None
     try:
         ctx = _apply(ctx, result)
         _said(ctx, result)
+        if former is not None:  # the model's file_format changed: its state moved
+            ex.query(render(drop_table(former)))
+            result.warnings.append(f"the state moved to {display(state)} (file_format {config.file_format}); "
+                                   f"the former state {display(former)} was dropped")
     except Exception as e:
         conflict = delta_conflict(e) if facts.state_exists else None
         if conflict is None:
@@ -81,6 +90,22 @@ def refresh(ex: Executor, model: Union[str, Model], relation: str, config: Union
     history.record(ex, config, relation, ctx.run_id, started, result, facts.sources,
                    watermark.versions() if watermark else {})
     return result
+
+
+def state_of(relation: str, config: Config) -> str:
+    """Where the state of ``relation`` is kept: beside it (Delta), or in the
+    Iceberg catalog the model names (file_format 'iceberg')."""
+    return iceberg_state.state_table(relation, config.iceberg_catalog) if config.iceberg else state_name(relation)
+
+
+def _former_state(ex: Executor, relation: str, state: str) -> Optional[str]:
+    """Where the model's view (built, while its state is not found where the
+    model's file_format keeps it) says its state is, when that is elsewhere
+    and holds a dbt-ivm watermark: the state of the other format."""
+    former = find_state(ex, relation)
+    if former is None or former == state:
+        return None
+    return former if read_watermark(ex, former)[1] is not None else None
 
 
 def _decided(ex: Executor, chosen, found: tuple, state: str, relation: str, full_refresh: bool, phases: dict,

@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
-from dbt_ivm.catalog import MV, Source
+from dbt_ivm.catalog import ICEBERG_MV, MV, Source
 from dbt_ivm.config import MERGE
 from dbt_ivm.names import canonical, suffixed
 from dbt_ivm.refresh.values import COST_REASONS, CREATE, FULL, INCREMENTAL, PARTITION
@@ -95,7 +95,7 @@ class Watermark:
         return [
             Source(
                 name=s["name"], columns=tuple(map(tuple, s["columns"])), kind=s["kind"],
-                version=s["version"], state_table=s["physical"] if s["kind"] == MV else None,
+                version=s["version"], state_table=s["physical"] if s["kind"] in (MV, ICEBERG_MV) else None,
                 multiplicity=s["multiplicity"],
             )
             for s in self.sources
@@ -220,6 +220,9 @@ def measured_costs(history: list[tuple]) -> dict:
 _CONCURRENT = re.compile(
     r"DELTA_CONCURRENT_(TRANSACTION|APPEND|DELETE_READ|DELETE_DELETE|WRITE)|DELTA_METADATA_CHANGED"
     r"|DELTA_PROTOCOL_CHANGED|Concurrent(Transaction|Append|DeleteRead|DeleteDelete|Write)Exception"
+    # an Iceberg state's commit that lost to another (refresh.iceberg_state): its
+    # optimistic retry gave up, or serializable isolation found the other's files
+    r"|CommitFailedException|ValidationException: Found (conflicting|new conflicting)[^\n]*"
 )
 
 
@@ -250,5 +253,7 @@ def foreign_write(newer: list[tuple]) -> str:
         op = str(row[4] or "").upper()
         mark = user_metadata(row)
         if op not in _NO_ROW_CHANGE_OPS and maintenance_mark(mark) is None:
+            if len(row) > 14 and row[14] is not None:  # an Iceberg state's snapshot (refresh.iceberg_state)
+                return f"snapshot {int(row[14])} ({op.lower()})"
             return f"version {int(row[0])} ({op})"
     return ""

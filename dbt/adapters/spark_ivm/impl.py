@@ -199,19 +199,19 @@ class SparkIvmAdapter(SparkAdapter):
             return self.__dict__["_ivm_history"]
 
     @available
-    def ivm_leave(self, relation: Any) -> Optional[str]:
-        """Drop the state table an incremental_mv kept beside ``relation``,
-        now built by another materialization; the state's name, or None when
-        there is none (a table of that name without a dbt-ivm watermark is
-        not ours, and is left alone)."""
+    def ivm_leave(self, relation: Any, iceberg_catalog: Optional[str] = None) -> Optional[str]:
+        """Drop the state table an incremental_mv kept for ``relation``, now
+        built by another materialization (beside it, or in ``iceberg_catalog``
+        where the model keeps its state in Iceberg); the state's name, or None
+        when there is none (a table of that name without a dbt-ivm watermark
+        is not ours, and is left alone)."""
         from dbt_ivm.names import display
-        from dbt_ivm.refresh import read_watermark, state_name
-        from dbt_ivm.refresh.facts import relations_present
+        from dbt_ivm.refresh import find_state, read_watermark
         from dbt_ivm.sqltree import drop_table, render
 
         ex = _Executor(self)
-        state = state_name(_relation_name(relation))
-        if state not in relations_present(ex, [state]) or read_watermark(ex, state)[1] is None:
+        state = find_state(ex, _relation_name(relation), iceberg_catalog)
+        if state is None or read_watermark(ex, state)[1] is None:
             return None
         ex.query(render(drop_table(state)))
         logger.info(f"{display(_relation_name(relation))} is no longer an incremental_mv: its state table "
@@ -254,7 +254,12 @@ class SparkIvmAdapter(SparkAdapter):
         from dbt_ivm.refresh import refresh
 
         name = _relation_name(relation)
-        if str(config.get("ivm_change_feed")).lower() == "false" and config.get("ivm_mv_dependents"):
+        if str(config.get("file_format") or "").lower() == "iceberg" and config.get("ivm_mv_dependents"):
+            logger.warning(
+                f"incremental_mv {name}: its state is kept in Iceberg (file_format 'iceberg') and an "
+                "incremental_mv of this project reads it; that model rebuilds whenever it changes "
+                "(SOURCE_ICEBERG_STATE)")
+        elif str(config.get("ivm_change_feed")).lower() == "false" and config.get("ivm_mv_dependents"):
             logger.warning(
                 f"incremental_mv {name}: ivm_change_feed is false but an incremental_mv of this project "
                 "reads it; that model will rebuild on every change (CDF_DISABLED)"
@@ -322,9 +327,11 @@ class SparkIvmAdapter(SparkAdapter):
         note = None
         if str(config.get("on_configuration_change") or "").lower() == "continue":
             # the model is refreshed under the definition its state was built with
-            from dbt_ivm.refresh import read_watermark, state_name
+            from dbt_ivm.refresh import find_state, read_watermark
 
-            _, wm = read_watermark(_Executor(self), state_name(_relation_name(self._ivm_node_relation(node))))
+            ex = _Executor(self)
+            state = find_state(ex, _relation_name(self._ivm_node_relation(node)), config.get("ivm_iceberg_catalog"))
+            wm = read_watermark(ex, state)[1] if state else None
             if wm is not None and wm.sql != sql:
                 sql, config = wm.sql, {**config, "partition_by": wm.partition_by}
                 note = ("on_configuration_change is 'continue': this explains the definition the model was "
@@ -343,10 +350,11 @@ class SparkIvmAdapter(SparkAdapter):
         """SQL returning the rows where the MV differs from a full recompute at the
         source versions its watermark records (empty when consistent)."""
         from dbt_ivm.audit import consistency_sql
-        from dbt_ivm.refresh import read_watermark, state_name
+        from dbt_ivm.refresh import find_state, read_watermark
 
         name = _relation_name(relation)
-        _, wm = read_watermark(_Executor(self), state_name(name))
+        state = find_state(_Executor(self), name)
+        wm = read_watermark(_Executor(self), state)[1] if state else None
         if wm is None:
             raise DbtRuntimeError(
                 f"ivm_consistent: {name} has no dbt-ivm watermark; is it an incremental_mv that has been run?"
