@@ -23,9 +23,9 @@ from dbt_ivm.refresh import iceberg_state
 from dbt_ivm.refresh.context import Context, Written
 from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, PROP_VIEW
 from dbt_ivm.executor import Executor
-from dbt_ivm.refresh.log import describe_history, user_metadata
+from dbt_ivm.refresh.log import user_metadata
 from dbt_ivm.refresh.values import INCREMENTAL, NOOP, PARTITION, Decision
-from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, read_watermark
+from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, read_watermark, state_history
 from dbt_ivm.projection import SOURCE
 from dbt_ivm.sqltree import aliased, create_view as create_view_statement, insert, render, select, table
 from dbt_ivm.sqltree import set_properties as set_properties_statement, unset_properties
@@ -84,7 +84,7 @@ def my_commit(ctx: Context) -> Optional[tuple]:
     """The state's recent commit made by this refresh (its DESCRIBE HISTORY
     row), or None: Delta skipped the write, a concurrent refresh having
     committed the same idempotency key first."""
-    for row in describe_history(ctx.ex, ctx.state, 5):
+    for row in state_history(ctx.ex, ctx.state, 5):
         wm = Watermark.from_json(user_metadata(row))
         if wm is not None and wm.run == ctx.run_id:
             return row

@@ -30,7 +30,6 @@ from dbt_ivm.names import set_value
 from dbt_ivm.errors import IvmConfigError
 from dbt_ivm.executor import Executor
 from dbt_ivm.refresh.log import as_map
-from dbt_ivm.refresh.watermark import state_name
 from dbt_ivm.sqltree import alias, aliased, col, render, select, table
 
 SUMMARY_KEY = "dbt-ivm.watermark"
@@ -51,14 +50,14 @@ TABLE_PROPERTIES = {
 _OPERATIONS = {"append": "WRITE", "overwrite": "OVERWRITE", "delete": "DELETE", "replace": "OPTIMIZE"}
 
 
-def state_table(relation: str, catalog: str) -> str:
-    """The Iceberg state of ``relation`` (a two-part name in the session
-    catalog): ``<catalog>.<schema>.<model>__ivm_state``.
+def state_table(delta_state: str, catalog: str) -> str:
+    """The Iceberg state of a model whose Delta state would be ``delta_state``
+    (watermark.state_name): ``<catalog>.<schema>.<model>__ivm_state``.
 
-    >>> state_table("`db`.`m`", "iceberg")
+    >>> state_table("`db`.`m__ivm_state`", "iceberg")
     '`iceberg`.`db`.`m__ivm_state`'
     """
-    return names.canonical([catalog, *names.parts(state_name(relation))[-2:]])
+    return names.canonical([catalog, *names.parts(delta_state)[-2:]])
 
 
 def outside_session_catalog(state: str) -> bool:

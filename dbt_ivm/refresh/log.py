@@ -139,12 +139,7 @@ def describe_history(ex: Executor, table: str, limit: Optional[int] = None) -> l
     first, as DESCRIBE HISTORY rows. An executor may read them from the Delta
     log directly (``delta_history``: the embedded session, where the statement's
     planning and catalog round trips cost ~0.25 s a table, the log read ~20 ms);
-    otherwise the statement. A state kept in Iceberg (refresh.iceberg_state)
-    answers with its snapshots in the same shape."""
-    from dbt_ivm.refresh import iceberg_state
-
-    if iceberg_state.outside_session_catalog(table):
-        return iceberg_state.history(ex, table, limit)
+    otherwise the statement."""
     rows = ex.delta_history(canonical(table), limit)
     if rows is None:
         rows = ex.query(f"DESCRIBE HISTORY {canonical(table)}" + (f" LIMIT {int(limit)}" if limit else ""))

@@ -73,7 +73,7 @@ def find_state(ex: Executor, relation: str, iceberg_catalog: Optional[str] = Non
     if delta_state in present:
         return delta_state
     if iceberg_catalog:
-        candidate = iceberg_state.state_table(relation, iceberg_catalog)
+        candidate = iceberg_state.state_table(delta_state, iceberg_catalog)
         if _present_in_catalog(ex, candidate):
             return candidate
     return None

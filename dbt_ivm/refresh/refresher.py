@@ -95,7 +95,7 @@ def refresh(ex: Executor, model: Union[str, Model], relation: str, config: Union
 def state_of(relation: str, config: Config) -> str:
     """Where the state of ``relation`` is kept: beside it (Delta), or in the
     Iceberg catalog the model names (file_format 'iceberg')."""
-    return iceberg_state.state_table(relation, config.iceberg_catalog) if config.iceberg else state_name(relation)
+    return iceberg_state.state_table(state_name(relation), config.iceberg_catalog) if config.iceberg else state_name(relation)
 
 
 def _former_state(ex: Executor, relation: str, state: str) -> Optional[str]:

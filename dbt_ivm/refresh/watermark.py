@@ -13,6 +13,7 @@ from typing import Optional
 from dbt_ivm.catalog import ICEBERG_MV, MV, Source
 from dbt_ivm.config import MERGE
 from dbt_ivm.names import canonical, suffixed
+from dbt_ivm.refresh import iceberg_state
 from dbt_ivm.refresh.values import COST_REASONS, CREATE, FULL, INCREMENTAL, PARTITION
 from dbt_ivm.refresh.log import (
     _NO_ROW_CHANGE_OPS, Executor, Layers, _epoch, append_layers, describe_history, maintenance_mark, dv_merges, user_metadata,
@@ -126,12 +127,21 @@ def state_name(relation: str) -> str:
     return suffixed(relation, STATE_SUFFIX)
 
 
+def state_history(ex: Executor, state: str, limit: Optional[int] = None) -> list[tuple]:
+    """The state table's newest ``limit`` commits as DESCRIBE HISTORY rows: its
+    Delta history, or an Iceberg state's snapshots in that shape
+    (refresh.iceberg_state)."""
+    if iceberg_state.outside_session_catalog(state):
+        return iceberg_state.history(ex, state, limit)
+    return describe_history(ex, state, limit)
+
+
 def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Watermark]]:
     """The state table's current version and the newest watermark in its history."""
     # The newest commits first; the whole history only if someone else (OPTIMIZE,
     # a manual fix) committed many times since our last refresh.
     for limit in (20, None):
-        rows = describe_history(ex, state, limit)
+        rows = state_history(ex, state, limit)
         if not rows:
             return None, None
         # DESCRIBE HISTORY columns: version, timestamp, userId, userName, operation,

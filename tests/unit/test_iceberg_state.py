@@ -39,7 +39,7 @@ def test_the_state_is_kept_in_the_named_catalog_under_the_model_schema():
     assert state_of("`db`.`m`", Config.of({"file_format": "iceberg", "ivm_iceberg_catalog": "lake"})) == \
         "`lake`.`db`.`m__ivm_state`"
     assert state_of("`db`.`m`", Config.of({})) == "`db`.`m__ivm_state`"
-    assert state_table("spark_catalog.db.m", "iceberg") == STATE
+    assert state_table("spark_catalog.db.m__ivm_state", "iceberg") == STATE
 
 
 class _Answers(Executor):

@@ -352,7 +352,7 @@ def test_minmax_merges_optimistically_unless_groups_ran_out(last_recomputed, thi
     steps = [s.split()[0] for s in ex.sql if not s.startswith(("SET ", "RESET ", "ALTER TABLE"))]
     assert steps == expected
     assert out.rows.get("recomputed_groups") == (groups or None)
-    committed = [s for s in ex.sql if s.startswith("SET spark.databricks.delta.commitInfo.userMetadata=")]
+    committed = [s for s in ex.sql if s.startswith("SET `spark.databricks.delta.commitInfo.userMetadata`=")]
     written = Watermark.from_json(committed[-1].split("=", 1)[1].strip("`").replace("``", "`"))
     assert written.recomputed == groups  # what the written watermark records
     assert bool(out.notes) == (last_recomputed == 0 and not thin and groups > 0)
