@@ -173,7 +173,10 @@ def _scan_snapshot(source: Source, version: Optional[int]) -> exp.Query:
     table = names.table(source.physical)
     if version is not None:
         table.set("version", exp.Version(this="VERSION", kind="AS OF", expression=exp.Literal.number(int(version))))
-    return exp.select(*_columns(source), exp.alias_(_weight(source), W, quoted=True)).from_(table)
+    rows = exp.select(*_columns(source), exp.alias_(_weight(source), W, quoted=True)).from_(table)
+    if version is None and source.kind == ICEBERG:  # an Iceberg table without a snapshot yet: empty
+        rows = rows.where(exp.false())
+    return rows
 
 
 def table_changes(table: str, start: int, end: int) -> exp.Table:
@@ -201,19 +204,25 @@ def changelogs(sources: list[Source], window: Window) -> list[tuple[str, exp.Exp
     out = []
     for s in sources:
         if s.kind == ICEBERG and window.changed(s):
-            old, new = window.old[s.physical], window.new[s.physical]
-            view = iceberg.changelog_view(s.physical, old, new)
+            old, new = window.old.get(s.physical), window.new[s.physical]
+            view = iceberg.changelog_view(s.physical, old, new, _tag(window))
             out.append((view, iceberg.create_changelog(s.physical, old, new, view)))
     return out
+
+
+def _tag(window: Window) -> str:
+    """The refresh's tag for its temporary views (``materialized``'s), '' outside one."""
+    return window.pieces.tag if window.pieces is not None else ""
 
 
 def _iceberg_delta(source: Source, window: Window) -> exp.Query:
     """An Iceberg source's change: its changelog view (``changelogs``), +w for
     an added row, -w for a removed one."""
-    start, end = int(window.old[source.physical]), int(window.new[source.physical])
+    start, end = window.old.get(source.physical), int(window.new[source.physical])
     added = exp.column("_change_type").isin(*(exp.Literal.string(t) for t in iceberg.ADDED))
     weight = exp.Case(ifs=[exp.If(this=added, true=_weight(source))], default=exp.Neg(this=_weight(source)))
-    view = exp.Table(this=exp.to_identifier(iceberg.changelog_view(source.physical, start, end), quoted=True))
+    view = exp.Table(this=exp.to_identifier(iceberg.changelog_view(source.physical, start, end, _tag(window)),
+                                            quoted=True))
     return exp.select(*_columns(source), exp.alias_(weight, W, quoted=True)).from_(view)
 
 

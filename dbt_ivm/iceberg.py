@@ -108,16 +108,24 @@ def lineage(rows: list, current: Optional[int]) -> tuple:
 def window(snapshots: tuple, old: Optional[int], new: Optional[int]) -> Optional[list[Snapshot]]:
     """The snapshots after ``old`` up to ``new`` (oldest first) on the lineage;
     None when ``old`` is not an ancestor of ``new`` there (rewound: a rollback,
-    a replaced table, expired snapshots).
+    a replaced table, expired snapshots). ``old`` None: the table had no
+    snapshot when consumed (created empty), and every snapshot from its first
+    is the change, where the lineage still reaches it.
 
     >>> lin = ((3, 2, "append"), (2, 1, "delete"), (1, None, "append"))
     >>> [s.id for s in window(lin, 1, 3)], window(lin, 1, 1), window(lin, 7, 3)
     ([2, 3], [], None)
+    >>> [s.id for s in window(lin, None, 3)], window(lin[:2], None, 3), window((), None, None)
+    ([1, 2, 3], None, [])
     """
-    if old is None or new is None:
-        return None
     snaps = [Snapshot(*t) for t in snapshots]
     ids = [s.id for s in snaps]
+    if old is None:  # consumed empty: the whole lineage, from a first snapshot still held
+        if new is None:
+            return []
+        return list(reversed(snaps)) if ids and ids[0] == new and snaps[-1].parent is None else None
+    if new is None:
+        return None
     if not ids or ids[0] != new or old not in ids:
         return None if old != new else []
     return list(reversed(snaps[: ids.index(old)]))
@@ -186,9 +194,11 @@ def held_delete_files(name: str, snapshots: tuple) -> Optional[Reason]:
         if current.total_delete_files else None
 
 
-def changelog_view(table: str, start: int, end: int, tag: str = "") -> str:
+def changelog_view(table: str, start: Optional[int], end: int, tag: str = "") -> str:
     """The name of the temporary view holding ``table``'s changelog from after
-    snapshot ``start`` to ``end`` (one per window and refresh)."""
+    snapshot ``start`` to ``end``; ``tag``: the refresh's (a session's temporary
+    views are shared by dbt's threads: two models reading one window must not
+    drop each other's)."""
     key = hashlib.sha1(f"{names.canonical(table)}\x00{start}\x00{end}".encode()).hexdigest()[:12]
     return f"{names.PREFIX}changelog_{key}" + (f"_{tag}" if tag else "")
 
@@ -216,11 +226,11 @@ def metadata_table(table: str, name: str) -> exp.Table:
     return t
 
 
-def create_changelog(table: str, start: int, end: int, view: str) -> exp.Command:
+def create_changelog(table: str, start: Optional[int], end: int, view: str) -> exp.Command:
     """``CALL <catalog>.system.create_changelog_view(...)``: the view ``view``
-    of ``table``'s changes after snapshot ``start`` up to ``end``. Carried-over
-    rows (a copy-on-write rewrite's unchanged rows, deleted and re-inserted)
-    are removed by the procedure.
+    of ``table``'s changes after snapshot ``start`` (None: from its first
+    snapshot) up to ``end``. Carried-over rows (a copy-on-write rewrite's
+    unchanged rows, deleted and re-inserted) are removed by the procedure.
 
     >>> from dbt_ivm.sqltree import render
     >>> print(render(create_changelog("`iceberg`.`db`.`t`", 1, 2, "__ivm_c")))
@@ -229,10 +239,9 @@ def create_changelog(table: str, start: int, end: int, view: str) -> exp.Command
     from dbt_ivm.sqltree import call_procedure
 
     catalog, inner = catalog_of(table)
-    options = exp.VarMap(keys=exp.Array(expressions=[exp.Literal.string("start-snapshot-id"),
-                                                  exp.Literal.string("end-snapshot-id")]),
-                      values=exp.Array(expressions=[exp.Literal.string(str(int(start))),
-                                                    exp.Literal.string(str(int(end)))]))
+    bounds = ([("start-snapshot-id", start)] if start is not None else []) + [("end-snapshot-id", end)]
+    options = exp.VarMap(keys=exp.Array(expressions=[exp.Literal.string(k) for k, _ in bounds]),
+                         values=exp.Array(expressions=[exp.Literal.string(str(int(v))) for _, v in bounds]))
     return call_procedure([catalog, "system", "create_changelog_view"], {
         "table": exp.Literal.string(names.canonical(inner)),
         "options": options,

@@ -361,7 +361,7 @@ def incremental_blocker(changed: list[Source], watermark: "Watermark", unsupport
                               "snapshots)")
             return Reason("SOURCE_VERSION_REWOUND", f"source {s.name} was recreated or restored since the last refresh")
         if s.kind == ICEBERG:
-            blocked = iceberg.blocker(s.name, iceberg.window(s.lineage, watermark.versions()[s.physical], s.version))
+            blocked = iceberg.blocker(s.name, iceberg.window(s.lineage, watermark.versions().get(s.physical), s.version))
             if blocked is not None:
                 return blocked
     return None
