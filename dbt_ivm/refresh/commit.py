@@ -109,12 +109,7 @@ def set_properties(ctx: Context, old: Optional[Watermark]) -> bool:
     watermark recorded, and unset the model's tblproperties it no longer
     declares (metadata-only commits, made before the refresh's one write;
     harmless when repeated). Whether any changed."""
-    had = {} if old is None else {**iceberg_state.TABLE_PROPERTIES, **(old.properties or {})} if ctx.config.iceberg \
-        else {  # unrecorded: what the state tables of older versions had
-        "delta.enableChangeDataFeed": "false" if old.change_feed is False else "true",
-        "delta.enableDeletionVectors": "true" if old.deletion_vectors else "false",
-        **(old.properties or {}),
-    }
+    had = _recorded_properties(ctx, old)
     wanted = {k: v for k, v in state_properties(ctx).items() if had.get(k) != v}
     gone = properties_gone(ctx, old)
     if wanted:
@@ -122,6 +117,19 @@ def set_properties(ctx: Context, old: Optional[Watermark]) -> bool:
     if gone:
         ctx.ex.query(render(unset_properties(ctx.state, gone)))
     return bool(wanted or gone)
+
+
+def _recorded_properties(ctx: Context, old: Optional[Watermark]) -> dict:
+    """The state's properties as the last watermark records them."""
+    if old is None:
+        return {}
+    if ctx.config.iceberg:
+        return {**iceberg_state.TABLE_PROPERTIES, **(old.properties or {})}
+    return {  # unrecorded: what the state tables of older versions had
+        "delta.enableChangeDataFeed": "false" if old.change_feed is False else "true",
+        "delta.enableDeletionVectors": "true" if old.deletion_vectors else "false",
+        **(old.properties or {}),
+    }
 
 
 def properties_gone(ctx: Context, old: Optional[Watermark]) -> list:

@@ -162,3 +162,21 @@ def test_a_partition_spec_evolution_is_not_read_by_partition(project):
     got = _run(project, responses=True)
     assert (got["by_day"]["code"], got["by_day"].get("reason")) == ("FULL", "ICEBERG_DELETE_FILES"), got["by_day"]
     assert "PARTITION_CHANGES_UNKNOWN" in str(got["by_day"].get("skipped")), got["by_day"]
+
+
+def test_an_iceberg_state_is_refused_where_its_runtime_cannot_carry_the_watermark(project):
+    """On Spark 3.5 (Iceberg 1.10) file_format 'iceberg' is a clear error before
+    anything is written (test_iceberg_state.py runs the state on 4.1)."""
+    from dbt_ivm.versions import Target, installed_pyspark
+
+    if Target(installed_pyspark() or "").iceberg_state:
+        pytest.skip("this line keeps Iceberg states: tests/integration/test_iceberg_state.py")
+    project.write("models/ice_state.sql", "{{ config(materialized='incremental_mv', file_format='iceberg') }}\n"
+                  f"select g, count(*) as n from {T} group by g")
+    try:
+        out = project.dbt("run", "--select", "ice_state")
+        assert not out.success
+        assert "needs Spark 4.0 or 4.1" in str(out.results["ice_state"].message), out.results["ice_state"].message
+        assert not [r for r in sql(f"show tables in {OUT}") if r[1].startswith("ice_state")]
+    finally:
+        (project.root / "models" / "ice_state.sql").unlink()
