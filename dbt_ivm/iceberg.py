@@ -150,8 +150,9 @@ def estimate(snaps: list[Snapshot]) -> tuple[Optional[int], Optional[int]]:
     return changed, net
 
 
-def blocker(name: str, snaps: list[Snapshot]) -> Optional[Reason]:
-    """Why Iceberg's changelog cannot read the window (None: it can).
+def blocker(name: str, snaps: list[Snapshot], held: int = 0) -> Optional[Reason]:
+    """Why Iceberg's changelog cannot read the window (None: it can);
+    ``held``: the delete files of the snapshot the window starts from.
 
     >>> blocker("db.t", [Snapshot(2, 1, "append", added=1)]) is None
     True
@@ -159,22 +160,44 @@ def blocker(name: str, snaps: list[Snapshot]) -> Optional[Reason]:
     'ICEBERG_DELETE_FILES'
     >>> blocker("db.t", [Snapshot(3, 2, "append", added=1, total_delete_files=1)]).code  # measured: refused too
     'ICEBERG_DELETE_FILES'
+
+    A snapshot removing data files whose rows delete files masked needs those
+    delete files to say which rows went: refused too, though it leaves none
+    (measured: a ``DELETE`` of every row of a merge-on-read table).
+
+    >>> blocker("db.t", [Snapshot(3, 2, "delete", deleted=4)], held=2).code
+    'ICEBERG_DELETE_FILES'
+    >>> blocker("db.t", [Snapshot(3, 2, "replace"), Snapshot(4, 3, "append", added=1)], held=2) is None
+    True
     """
+    before = held
     for s in snaps:
         if s.operation == REPLACE:
+            before = s.total_delete_files
             continue
-        if s.delete_files or s.total_delete_files:
+        if s.delete_files or s.total_delete_files or before:
             return Reason(
                 "ICEBERG_DELETE_FILES",
                 f"snapshot {s.id} of source {names.display(name)} ({s.operation}) "
                 + ("adds delete files (a merge-on-read write)" if s.delete_files else
-                   f"leaves {s.total_delete_files} delete files in the table")
+                   f"leaves {s.total_delete_files} delete files in the table" if s.total_delete_files else
+                   f"follows a snapshot holding {before} delete files")
                 + ", and Iceberg's changelog cannot read a table with delete files",
                 "write the source copy-on-write (write.delete.mode, write.update.mode, write.merge.mode = "
                 "'copy-on-write') and compact its delete files away (rewrite_data_files with "
                 "delete-file-threshold 1); or partition the model by a partition column of the source to "
                 "replace only the partitions touched")
     return None
+
+
+def held_at(snapshots: tuple, snapshot_id: Optional[int]) -> int:
+    """The delete files the lineage's snapshot ``snapshot_id`` holds (0: none,
+    or not on the lineage).
+
+    >>> held_at(((2, 1, "append", 1, 0, 0, 0, 0, 9), (1, None, "delete", 0, 0, 1, 1, 3, 9)), 1)
+    3
+    """
+    return next((Snapshot(*t).total_delete_files for t in snapshots if t[0] == snapshot_id), 0)
 
 
 def held_delete_files(name: str, snapshots: tuple) -> Optional[Reason]:

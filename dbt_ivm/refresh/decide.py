@@ -361,7 +361,9 @@ def incremental_blocker(changed: list[Source], watermark: "Watermark", unsupport
                               "snapshots)")
             return Reason("SOURCE_VERSION_REWOUND", f"source {s.name} was recreated or restored since the last refresh")
         if s.kind == ICEBERG:
-            blocked = iceberg.blocker(s.name, iceberg.window(s.lineage, watermark.versions().get(s.physical), s.version))
+            consumed = watermark.versions().get(s.physical)
+            blocked = iceberg.blocker(s.name, iceberg.window(s.lineage, consumed, s.version),
+                                      iceberg.held_at(s.lineage, consumed))
             if blocked is not None:
                 return blocked
     return None
