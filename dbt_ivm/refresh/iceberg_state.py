@@ -151,8 +151,14 @@ def history_rows(rows: list, current: Optional[int], limit: Optional[int] = None
 
 
 def snapshot_id(row: tuple) -> Optional[int]:
-    """The snapshot id of a ``history`` row (None for a Delta history row)."""
-    return row[14] if len(row) > 14 else None
+    """The snapshot id of a ``history`` row; None for a Delta DESCRIBE HISTORY
+    row (whose column 14, engineInfo, is text).
+
+    >>> snapshot_id((1,) * 14 + (77,)), snapshot_id((1,) * 14 + ("Apache-Spark/4.2.0 Delta-Lake/4.4.0",))
+    (77, None)
+    """
+    value = row[14] if len(row) > 14 else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def replace_partitions(state: str, rows: exp.Query, column: str, where: exp.Expression) -> exp.Merge:

@@ -263,7 +263,8 @@ def foreign_write(newer: list[tuple]) -> str:
         op = str(row[4] or "").upper()
         mark = user_metadata(row)
         if op not in _NO_ROW_CHANGE_OPS and maintenance_mark(mark) is None:
-            if len(row) > 14 and row[14] is not None:  # an Iceberg state's snapshot (refresh.iceberg_state)
-                return f"snapshot {int(row[14])} ({op.lower()})"
+            sid = iceberg_state.snapshot_id(row)
+            if sid is not None:  # an Iceberg state's snapshot
+                return f"snapshot {sid} ({op.lower()})"
             return f"version {int(row[0])} ({op})"
     return ""
