@@ -46,6 +46,9 @@ class Source:
     # An Iceberg table: its main branch's snapshots, newest first, from the
     # current one (``version``, a snapshot id) back (dbt_ivm.iceberg.lineage).
     lineage: tuple = ()
+    # An Iceberg table: its partition spec's fields (dbt_ivm.iceberg.Field, None
+    # for one a refresh cannot evaluate), in spec order; ``partitions`` are their columns.
+    fields: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "name", names.canonical(self.name))

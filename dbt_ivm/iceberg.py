@@ -274,3 +274,71 @@ def create_changelog(table: str, start: Optional[int], end: int, view: str) -> e
 
 # The changelog's change types that add a row (the others remove one).
 ADDED = ("INSERT", "UPDATE_AFTER")
+
+
+# --------------------------------------------------------------------------- partition fields
+
+# Iceberg's partition transforms that a refresh can evaluate (as the catalog's
+# ``system`` functions), with the Spark type of their value (None: the column's).
+TRANSFORMS = {"identity": None, "years": "INT", "months": "INT", "days": "DATE", "hours": "INT",
+              "bucket": "INT", "truncate": None}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a table's partition spec: ``transform`` of ``column``
+    (``width``: a bucket's count, a truncate's width)."""
+
+    transform: str
+    column: str
+    width: Optional[int] = None
+
+    @classmethod
+    def parse(cls, text: str) -> Optional["Field"]:
+        """A field as Spark's DESCRIBE shows it (``Part n``: ``days(ts)``,
+        ``bucket(16, id)``, ``truncate(3, name)``, an identity's column); None
+        for one a refresh cannot evaluate (``void``, a nested column).
+
+        >>> Field.parse("days(ts)"), Field.parse("bucket(16, `my id`)"), Field.parse("d")
+        (Field(transform='days', column='ts', width=None), Field(transform='bucket', column='my id', width=16), Field(transform='identity', column='d', width=None))
+        >>> Field.parse("truncate(3, name)"), Field.parse("months(d)")
+        (Field(transform='truncate', column='name', width=3), Field(transform='months', column='d', width=None))
+        >>> Field.parse("void(x)") is None, Field.parse("a.b") is None, Field.parse("days(a.b)") is None
+        (True, True, True)
+        """
+        from sqlglot import errors, parse_one
+
+        name, paren, inner = text.strip().partition("(")
+        try:  # a transform's arguments parsed as one function's, whatever sqlglot calls the transform
+            node = parse_one(f"f({inner}" if paren else text, read=names.DIALECT)
+        except errors.ParseError:
+            return None
+        if not paren:
+            return cls("identity", node.name.lower()) if isinstance(node, exp.Column) and not node.table else None
+        name = name.strip().lower()
+        args = list(node.expressions) if isinstance(node, exp.Anonymous) else []
+        columns = [a for a in args if isinstance(a, exp.Column)]
+        widths = [a for a in args if isinstance(a, exp.Literal) and not a.is_string]
+        if name not in TRANSFORMS or name == "identity" or len(columns) != 1 or columns[0].table \
+                or len(widths) != (name in ("bucket", "truncate")) or len(args) != len(columns) + len(widths):
+            return None
+        return cls(name, columns[0].name.lower(), int(widths[0].name) if widths else None)
+
+    def call(self, catalog: str, column: exp.Expression) -> exp.Expression:
+        """The field's value of ``column``, as Iceberg computes it: the
+        catalog's ``system`` function (Spark pushes a comparison of it to the
+        scan as a partition filter).
+
+        >>> from dbt_ivm.sqltree import render
+        >>> render(Field("bucket", "id", 16).call("iceberg", exp.column("id")))
+        '`iceberg`.`system`.bucket(16, id)'
+        """
+        if self.transform == "identity":
+            return column
+        args = ([exp.Literal.number(self.width)] if self.width is not None else []) + [column]
+        return exp.Dot.build([exp.to_identifier(catalog, quoted=True), exp.to_identifier("system", quoted=True),
+                              exp.Anonymous(this=self.transform, expressions=args)])
+
+    def value_type(self, column_type: str) -> str:
+        """The Spark type of the field's values (``column_type``: its column's)."""
+        return TRANSFORMS[self.transform] or column_type

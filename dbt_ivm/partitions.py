@@ -239,7 +239,7 @@ def _reach(select: exp.Select, start: tuple, nullable: set) -> dict:
     return out
 
 
-def partitions_predicate(columns: tuple, values: list, types: dict) -> exp.Expression:
+def partitions_predicate(columns: tuple, values: list, types: dict, terms: Optional[dict] = None) -> exp.Expression:
     """A predicate selecting exactly the partitions ``values`` (tuples of
     values as Delta serializes partition values, in ``columns`` order; None is
     NULL) of a table partitioned by ``columns`` (their Spark ``types``): for one
@@ -251,12 +251,16 @@ def partitions_predicate(columns: tuple, values: list, types: dict) -> exp.Expre
     "`d` IN (CAST('2024-01-02' AS DATE)) OR `d` IS NULL"
     >>> partitions_predicate(("a", "b"), [("1", None)], {"a": "int", "b": "string"}).sql("spark")
     "`a` = CAST('1' AS INT) AND `b` IS NULL"
+
+    ``terms``: what a column's values are compared with, where not the column
+    itself (an Iceberg partition transform of a column).
     """
     def typed(column: str, value: str) -> exp.Expression:
         return exp.cast(exp.Literal.string(value), exp.DataType.build(types[column], dialect=DIALECT))
 
-    def col(column: str) -> exp.Column:
-        return exp.column(column, quoted=True)
+    def col(column: str) -> exp.Expression:
+        term = (terms or {}).get(column)
+        return term.copy() if term is not None else exp.column(column, quoted=True)
 
     if len(columns) == 1:
         (c,) = columns

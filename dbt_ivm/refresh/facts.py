@@ -21,7 +21,8 @@ from dbt_ivm.plan import BAG
 from dbt_ivm.executor import Executor
 from dbt_ivm.refresh.log import as_map, commit_stamps, history_head
 from dbt_ivm.refresh.watermark import Watermark
-from dbt_ivm.sqltree import call, render, select
+from dbt_ivm.partitions import partitions_predicate
+from dbt_ivm.sqltree import at_version, call, render, select
 from dbt_ivm.versions import Target
 from sqlglot import exp
 
@@ -116,7 +117,9 @@ def _described(ex: Executor, name: str, histories: dict) -> Source:
                       cdf=cdf, state_table=state, multiplicity=mult, stamps=stamps,
                       partitions=tuple(newest.partition_by) if newest is not None else ())
     if info.get("provider", "").lower() == "iceberg":
-        return describe_iceberg(ex, name, tuple(columns), tuple(partitions))
+        # identity fields only: DESCRIBE lists the columns; else its "Part n" rows, one per field
+        fields = partitions or [info[f"part {i}"] for i in range(len(info)) if f"part {i}" in info]
+        return describe_iceberg(ex, name, tuple(columns), tuple(fields))
     if info.get("provider", "").lower() != "delta":
         location = info.get("location")
         return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False, partitions=tuple(partitions),
@@ -137,11 +140,12 @@ def _iceberg_mv(ex: Executor, name: str, columns: tuple, state: str, props: dict
                   state_table=state, multiplicity=mult, lineage=table.lineage)
 
 
-def describe_iceberg(ex: Executor, name: str, columns: tuple, partitions: tuple) -> Source:
+def describe_iceberg(ex: Executor, name: str, columns: tuple, fields: tuple) -> Source:
     """An Iceberg table: its current snapshot and the main branch's lineage
-    from its ``snapshots`` metadata table (dbt_ivm.iceberg); partition
-    columns only where every partition field is an identity one (a
-    transform's values are not the column's)."""
+    from its ``snapshots`` metadata table (dbt_ivm.iceberg); its partition
+    spec's ``fields`` as DESCRIBE shows them (``days(ts)``, ``d``), parsed
+    (iceberg.Field; None for one a refresh cannot evaluate), and their
+    columns as its partition columns."""
     meta = iceberg.metadata_table(name, "snapshots")
     rows = ex.query(render(select(*(exp.column(c) for c in ("snapshot_id", "parent_id", "operation", "summary")))
                            .from_(meta)))
@@ -150,9 +154,10 @@ def describe_iceberg(ex: Executor, name: str, columns: tuple, partitions: tuple)
         exp.column("name").eq(exp.Literal.string("main")))))
     current = int(main[0][0]) if main and main[0][0] is not None else None
     lineage = iceberg.lineage([(*r[:3], as_map(r[3])) for r in rows], current)
-    identity = all(not any(ch in p for ch in "()") for p in partitions)
+    spec = tuple(iceberg.Field.parse(f) for f in fields)
+    partitions = tuple(dict.fromkeys(f.column for f in spec if f is not None))
     return Source(name=name, columns=columns, kind=ICEBERG, version=current, cdf=True,
-                  partitions=partitions if identity else (), lineage=lineage)
+                  partitions=partitions, fields=spec, lineage=lineage)
 
 
 # --------------------------------------------------------------------------- partitions
@@ -244,15 +249,15 @@ def delta_partition_changes(ex: Executor, table: str, partitions: tuple, lo: int
 
 
 def iceberg_partition_changes(ex: Executor, s: Source, snaps: list) -> Optional[list]:
-    """The partitions (value tuples as text, in ``s.partitions`` order) whose
-    data or delete files the Iceberg snapshots ``snaps`` added or removed,
-    from the manifests' entries (``all_entries``: metadata, no data file
-    opened); a compaction (replace) changes no rows and counts for nothing.
-    None where the partitions are not identity columns, or where the table
-    has had more than one partition spec: a file of a spec without the
-    column has no value for it, and a NULL there is not the rows' value."""
+    """The partitions (tuples of the partition spec's field values as text,
+    in ``s.fields`` order) whose data or delete files the Iceberg snapshots
+    ``snaps`` added or removed, from the manifests' entries (``all_entries``:
+    metadata, no data file opened); a compaction (replace) changes no rows and
+    counts for nothing. None where the table is not partitioned, or has had
+    more than one partition spec: a file of another spec has no value for a
+    field, and a NULL there is not the rows' value."""
     ids = [exp.Literal.number(x.id) for x in snaps if x.operation != iceberg.REPLACE]
-    if not s.partitions:
+    if not s.fields:
         return None
     if not ids:
         return []
@@ -261,11 +266,56 @@ def iceberg_partition_changes(ex: Executor, s: Source, snaps: list) -> Optional[
     specs = ex.query(render(select(exp.Count(this=exp.Distinct(expressions=[spec]))).from_(entries)))
     if int(specs[0][0] or 0) > 1:
         return None
-    values = [exp.cast(exp.Dot.build([exp.column("data_file"), exp.to_identifier("partition"),
-                                      exp.to_identifier(c, quoted=True)]), "STRING") for c in s.partitions]
-    query = select(*values).distinct().from_(entries.copy()).where(
+    # the partition struct as JSON, its fields in spec order, NULLs kept, values as CAST AS STRING writes them
+    partition = exp.Dot.build([exp.column("data_file"), exp.to_identifier("partition")])
+    options = exp.VarMap(keys=exp.Array(expressions=[exp.Literal.string(k) for k in _JSON_OPTIONS]),
+                         values=exp.Array(expressions=[exp.Literal.string(v) for v in _JSON_OPTIONS.values()]))
+    query = select(call("to_json", partition, options)).distinct().from_(entries.copy()).where(
         exp.and_(exp.column("snapshot_id").isin(*ids), exp.column("status").neq(exp.Literal.number(0))))
-    return [tuple(None if v is None else str(v) for v in row) for row in ex.query(render(query))]
+    out = []
+    for (text,) in ex.query(render(query)):
+        values = json.loads(text, object_pairs_hook=list, parse_float=str, parse_int=str)
+        if len(values) != len(s.fields):
+            return None
+        out.append(tuple(None if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+                         for _, v in values))
+    return out
+
+
+def iceberg_column_values(ex: Executor, s: Source, column: str, parts: list, old: Optional[int],
+                          new: Optional[int]) -> Optional[set]:
+    """The values (as text) of ``column`` in the rows of the partitions
+    ``parts`` (iceberg_partition_changes) at snapshot ``old`` (None: empty) and
+    at ``new``: where ``column`` is an identity field, its partitions' values;
+    where only a transform of it is (``days(ts)``, ``bucket(16, id)``), read
+    from those rows, which the transform's comparison prunes to the touched
+    partitions (Spark pushes an Iceberg ``system`` function to the scan).
+    None when no field of the spec is a transform a refresh can evaluate."""
+    on = [(i, f) for i, f in enumerate(s.fields) if f is not None and f.column == column]
+    identity = next((i for i, f in on if f.transform == "identity"), None)
+    if identity is not None:
+        return {p[identity] for p in parts}
+    if not on:
+        return None
+    if not parts:
+        return set()
+    catalog = iceberg.catalog_of(s.physical)[0]
+    col_type = dict(s.columns)[column]
+    keys = tuple(f"f{i}" for i, _ in on)
+    wanted = sorted({tuple(p[i] for i, _ in on) for p in parts}, key=json.dumps)
+    where = partitions_predicate(keys, wanted, {k: f.value_type(col_type) for k, (_, f) in zip(keys, on)},
+                                 {k: f.call(catalog, exp.column(column, quoted=True)) for k, (_, f) in zip(keys, on)})
+    arms = [select(exp.column(column, quoted=True)).from_(at_version(s.physical, v)).where(where.copy())
+            for v in (old, new) if v is not None]
+    body = arms[0] if len(arms) == 1 else exp.union(*arms, distinct=False)
+    query = select(exp.cast(exp.column(column, quoted=True), "STRING")).distinct().from_(body.subquery("rows"))
+    return {None if v is None else str(v) for (v,) in ex.query(render(query))}
+
+
+# to_json's options for a partition's values: every field (NULLs too), and
+# timestamps as CAST(... AS STRING) writes them (read back by CAST in the session's zone).
+_JSON_OPTIONS = {"ignoreNullFields": "false", "timestampFormat": "yyyy-MM-dd HH:mm:ss[.SSSSSS]",
+                 "timestampNTZFormat": "yyyy-MM-dd HH:mm:ss[.SSSSSS]"}
 
 
 # DESCRIBE DETAIL's first columns.

@@ -34,7 +34,8 @@ from dbt_ivm.plan import BAG, PREFIX
 from dbt_ivm.refresh import commit, iceberg_state
 from dbt_ivm.refresh.context import Context, Outcome, Written
 from dbt_ivm.refresh.decide import NOT_PARTITIONED, rewound
-from dbt_ivm.refresh.facts import delta_partition_changes, iceberg_partition_changes, listing_changes
+from dbt_ivm.refresh.facts import (delta_partition_changes, iceberg_column_values, iceberg_partition_changes,
+                                   listing_changes)
 from dbt_ivm.refresh.failpoint import failpoint
 from dbt_ivm.refresh.full import state_body
 from dbt_ivm.executor import Executor
@@ -120,7 +121,15 @@ def _changed_values(ex: Executor, column: str, mapped: dict, changed: list[Sourc
                 return Reason("SOURCE_VERSION_REWOUND", f"the snapshot of source {s.name} the last refresh consumed "
                               "is not an ancestor of its current snapshot")
             parts = iceberg_partition_changes(ex, s, snaps)
-            where = "its partitions are not identity partitions of its columns, or its partition spec evolved"
+            if parts is not None:
+                for col in mapped[s.name]:
+                    found = iceberg_column_values(ex, s, col, parts, old.get(s.physical), s.version)
+                    if found is None:
+                        return Reason("PARTITION_CHANGES_UNKNOWN", f"the partitions changed in {s.name} are "
+                                      f"unknown: no partition field of {col!r} is one a refresh can evaluate")
+                    values |= found
+                continue
+            where = "it is not partitioned, or its partition spec evolved"
         elif s.kind == OTHER:
             parts = listing_changes(listings.get(s.physical), s.listing)
             where = "no file listing of it was recorded or it could not be listed"

@@ -180,3 +180,51 @@ def test_an_iceberg_state_is_refused_where_its_runtime_cannot_carry_the_watermar
         assert not [r for r in sql(f"show tables in {OUT}") if r[1].startswith("ice_state")]
     finally:
         (project.root / "models" / "ice_state.sql").unlink()
+
+
+EV = f"{ICEBERG}.{SRC}.events"
+TRANSFORMED = {  # each partitioned by a column the source partitions only through a transform of it
+    "per_day": "select day, count(*) as n, sum(amt) as s from {t} group by day",  # months(day)
+    "per_k": "select k, sum(amt) as s, max(day) as last_day from {t} group by k",  # bucket(4, k)
+}
+
+
+def test_transform_partitions_replace_the_model_partitions_their_rows_fall_in(tmp_path):
+    """A merge-on-read delete in one month × bucket of a source partitioned by
+    (months(day), bucket(4, k)): a model partitioned by ``day`` replaces that
+    month's days, one partitioned by ``k`` that bucket's keys — read from the
+    touched partitions' rows at both snapshots — and no other partition's files."""
+    sql(f"create namespace if not exists {ICEBERG}.{SRC}")
+    sql(f"drop table if exists {EV}")
+    sql(f"create table {EV} (k int, day date, amt double) using iceberg partitioned by (months(day), bucket(4, k)) "
+        "tblproperties ('format-version' = '2', 'write.delete.mode' = 'merge-on-read')")
+    sql(f"insert into {EV} select cast(id % 40 as int), date_add(date'2024-01-01', cast(id % 90 as int)), id * 0.5 from range(0, 720)")
+    p = DbtProject(tmp_path, name="iceberg_transforms", schema=OUT)
+    for name, body in TRANSFORMED.items():
+        # per_k: the touched buckets hold about half the keys, above the default threshold for a rebuild
+        col, more = ("day", "") if name == "per_day" else ("k", ", ivm_partition_threshold=0.9")
+        p.write(f"models/{name}.sql", f"{{{{ config(materialized='incremental_mv', partition_by=['{col}']{more}) }}}}\n"
+                + body.format(t=EV))
+    out = p.dbt("run")
+    assert out.success and {out.code(n) for n in TRANSFORMED} == {"CREATE"}, out.exception
+
+    def files(model: str, col: str) -> set:
+        return {(r[0], r[1]) for r in sql(f"select distinct {col}, input_file_name() from {OUT}.{model}__ivm_state")}
+
+    before = {"per_day": files("per_day", "day"), "per_k": files("per_k", "k")}
+    gone = "day = date'2024-02-10' and k % 4 = 0"
+    buckets = {r[0] for r in sql(f"select {ICEBERG}.system.bucket(4, k) from {EV} where {gone}")}
+    keys = {r[0] for r in sql(f"select distinct k from {EV} where {ICEBERG}.system.bucket(4, k) in "
+                              f"({', '.join(map(str, buckets))})")}
+    sql(f"delete from {EV} where {gone}")  # some rows of one month's files: position deletes
+    feb = {r[0] for r in sql(f"select distinct day from {EV} where month(day) = 2")}
+    out = p.dbt("run")
+    assert out.success, out.exception
+    for name in TRANSFORMED:
+        assert check_model(f"{OUT}.{name}", out.results[name].node.compiled_code) is None, name
+        assert out.code(name) == "PARTITION", out.response(name)["_message"]
+    assert out.response("per_day")["rows"]["partitions_replaced"] == len(feb) == 29
+    assert out.response("per_k")["rows"]["partitions_replaced"] == len(keys) < 40
+    # the other partitions' state files are the same files
+    assert {f for f in before["per_day"] if f[0] not in feb} == {f for f in files("per_day", "day") if f[0] not in feb}
+    assert {f for f in before["per_k"] if f[0] not in keys} == {f for f in files("per_k", "k") if f[0] not in keys}

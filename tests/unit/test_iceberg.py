@@ -106,3 +106,54 @@ def test_the_embedded_session_adds_icebergs_runtime_for_a_catalog_the_profile_na
 def test_spark_42_has_no_iceberg_runtime_and_says_which_lines_do():
     with pytest.raises(IvmConfigError, match="Spark 3.5, 4.0 or 4.1"):
         iceberg_package(LINES["4.2"])
+
+
+class _Recorder:
+    """An executor answering each query with the rows of the first key it contains."""
+
+    def __init__(self, answers: dict):
+        self.answers, self.queries = answers, []
+
+    def query(self, statement: str) -> list:
+        self.queries.append(statement)
+        return next((rows for key, rows in self.answers.items() if key in statement), [])
+
+
+def test_a_transform_field_is_read_back_to_its_columns_values_at_both_snapshots():
+    from dbt_ivm.refresh.facts import iceberg_column_values, iceberg_partition_changes
+
+    fields = tuple(iceberg.Field.parse(f) for f in ("months(day)", "bucket(4, k)", "region", "void(x)"))
+    s = Source(name="iceberg.db.ev", columns=(("k", "int"), ("day", "date"), ("region", "string")),
+               kind=ICEBERG, version=9, partitions=("day", "k", "region"), fields=fields)
+    ex = _Recorder({"COUNT(DISTINCT": [(1,)], "TO_JSON": [
+        ('{"day_month":649,"k_bucket":2,"region":"north","x":null}',),
+        ('{"day_month":null,"k_bucket":3,"region":null,"x":null}',)]})
+    parts = iceberg_partition_changes(ex, s, [iceberg.Snapshot(9, 5, "delete", delete_files=1)])
+    assert parts == [("649", "2", "north", None), (None, "3", None, None)]
+    assert "WHERE snapshot_id IN (9) AND status <> 0" in ex.queries[-1]  # the window's entries, added or removed
+    # an identity field: its partitions' values, nothing read
+    assert iceberg_column_values(ex, s, "region", parts, 5, 9) == {"north", None}
+    before = len(ex.queries)
+    ex.answers = {"VERSION AS OF": [("2024-02-01",), ("2024-02-29",), (None,)]}
+    assert iceberg_column_values(ex, s, "day", parts, 5, 9) == {"2024-02-01", "2024-02-29", None}
+    (q,) = ex.queries[before:]
+    # the rows of the touched months, at the consumed snapshot and the current one, pruned by the transform
+    assert "VERSION AS OF 5" in q and "VERSION AS OF 9" in q and "UNION ALL" in q, q
+    assert "`iceberg`.`system`.months(`day`) IN (CAST('649' AS INT))" in q and "months(`day`) IS NULL" in q, q
+    assert "bucket" not in q  # only the fields of the column traced
+    # created empty: only the current snapshot is read; no field of the column: unknown
+    ex.answers = {"VERSION AS OF": [("3",)]}
+    assert iceberg_column_values(ex, s, "k", parts, None, 9) == {"3"}
+    assert "VERSION AS OF" in ex.queries[-1] and "UNION" not in ex.queries[-1]
+    assert "`iceberg`.`system`.bucket(4, `k`) IN (CAST('2' AS INT), CAST('3' AS INT))" in ex.queries[-1]
+    assert iceberg_column_values(ex, s, "x", parts, 5, 9) is None
+
+
+def test_a_table_whose_spec_evolved_has_unknown_partition_changes():
+    from dbt_ivm.refresh.facts import iceberg_partition_changes
+
+    s = Source(name="iceberg.db.ev", columns=(("d", "int"),), kind=ICEBERG, version=9, partitions=("d",),
+               fields=(iceberg.Field("identity", "d"),))
+    assert iceberg_partition_changes(_Recorder({"COUNT(DISTINCT": [(2,)]}), s, [iceberg.Snapshot(9, 5, "delete")]) is None
+    assert iceberg_partition_changes(_Recorder({}), Source(name="iceberg.db.u", columns=(), kind=ICEBERG),
+                                     [iceberg.Snapshot(9, 5, "delete")]) is None
