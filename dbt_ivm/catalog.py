@@ -15,8 +15,10 @@ DELTA = "delta"  # a Delta table: snapshots by VERSION AS OF, changes by table_c
 MV = "mv"  # another incremental_mv: read through its Delta state table
 OTHER = "other"  # anything else (parquet table, plain view...): only full rebuilds
 ICEBERG = "iceberg"  # an Iceberg table: snapshots by VERSION AS OF <snapshot id>, changes by its changelog
-ICEBERG_MV = "iceberg_mv"  # an incremental_mv whose state is Iceberg: read at its state's snapshot, full rebuilds
+ICEBERG_MV = "iceberg_mv"  # an incremental_mv whose state is Iceberg: read like an Iceberg table
 LAYERED = "layered"  # an incremental_mv whose state is appended layers: read through its view, full rebuilds
+# The kinds read snapshot to snapshot through Iceberg's changelog (dbt_ivm.iceberg).
+ICEBERG_KINDS = (ICEBERG, ICEBERG_MV)
 
 
 @dataclass(frozen=True)

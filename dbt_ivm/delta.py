@@ -29,7 +29,7 @@ from typing import Optional
 
 from sqlglot import exp
 
-from dbt_ivm.catalog import ICEBERG, Source
+from dbt_ivm.catalog import ICEBERG_KINDS, Source
 from dbt_ivm import iceberg, names
 from dbt_ivm.names import PREFIX, canonical
 from dbt_ivm.planner import Block, Keyed, Node, Scan, UnionAll
@@ -174,7 +174,7 @@ def _scan_snapshot(source: Source, version: Optional[int]) -> exp.Query:
     if version is not None:
         table.set("version", exp.Version(this="VERSION", kind="AS OF", expression=exp.Literal.number(int(version))))
     rows = exp.select(*_columns(source), exp.alias_(_weight(source), W, quoted=True)).from_(table)
-    if version is None and source.kind == ICEBERG:  # an Iceberg table without a snapshot yet: empty
+    if version is None and source.kind in ICEBERG_KINDS:  # an Iceberg table without a snapshot yet: empty
         rows = rows.where(exp.false())
     return rows
 
@@ -187,7 +187,7 @@ def table_changes(table: str, start: int, end: int) -> exp.Table:
 
 
 def _scan_delta(source: Source, window: Window) -> exp.Query:
-    if source.kind == ICEBERG:
+    if source.kind in ICEBERG_KINDS:
         return _iceberg_delta(source, window)
     start = int(window.old[source.physical]) + 1
     end = int(window.new[source.physical])
@@ -203,7 +203,7 @@ def changelogs(sources: list[Source], window: Window) -> list[tuple[str, exp.Exp
     them; temporary views of the session, the caller drops them after."""
     out = []
     for s in sources:
-        if s.kind == ICEBERG and window.changed(s):
+        if s.kind in ICEBERG_KINDS and window.changed(s):
             old, new = window.old.get(s.physical), window.new[s.physical]
             view = iceberg.changelog_view(s.physical, old, new, _tag(window))
             out.append((view, iceberg.create_changelog(s.physical, old, new, view)))
@@ -216,8 +216,9 @@ def _tag(window: Window) -> str:
 
 
 def _iceberg_delta(source: Source, window: Window) -> exp.Query:
-    """An Iceberg source's change: its changelog view (``changelogs``), +w for
-    an added row, -w for a removed one."""
+    """An Iceberg source's change (or an Iceberg state's: its rows carry their
+    multiplicity): its changelog view (``changelogs``), +w for an added row, -w
+    for a removed one."""
     start, end = window.old.get(source.physical), int(window.new[source.physical])
     added = exp.column("_change_type").isin(*(exp.Literal.string(t) for t in iceberg.ADDED))
     weight = exp.Case(ifs=[exp.If(this=added, true=_weight(source))], default=exp.Neg(this=_weight(source)))

@@ -32,7 +32,7 @@ from sqlglot import exp
 from sqlglot.optimizer.scope import traverse_scope
 
 from dbt_ivm import apply, budget, delta, iceberg
-from dbt_ivm.catalog import DELTA, ICEBERG, MV, Catalog, Source
+from dbt_ivm.catalog import DELTA, ICEBERG_KINDS, MV, Catalog, Source
 from dbt_ivm.config import MATERIALIZATIONS
 from dbt_ivm.errors import IvmError, UnsupportedQuery
 from dbt_ivm.names import canonical, display
@@ -257,7 +257,7 @@ def explain_live(ex, sql: str, config: dict) -> dict:
     by_source = {}
     for s in sources:  # the chain for a change of this source alone
         inc = incremental_blocker([s], mark, unsupported)
-        if inc is None and s.kind == ICEBERG and s.lineage:  # its next snapshot keeps the delete files it holds
+        if inc is None and s.kind in ICEBERG_KINDS and s.lineage:  # its next snapshot keeps the delete files it holds
             inc = iceberg.held_delete_files(s.name, s.lineage)
         if inc is None:
             by_source[display(s.name)] = {"strategy": INCREMENTAL, "reason": None}

@@ -12,7 +12,7 @@ import math
 from typing import Optional
 
 from dbt_ivm import iceberg
-from dbt_ivm.catalog import ICEBERG, ICEBERG_MV, LAYERED, MV, OTHER, Source
+from dbt_ivm.catalog import ICEBERG_KINDS, LAYERED, MV, OTHER, Source
 from dbt_ivm.errors import Reason
 from dbt_ivm.refresh.values import CREATE, FULL, INCREMENTAL, NOOP, PARTITION, Decision
 from dbt_ivm.refresh.watermark import Watermark
@@ -308,7 +308,7 @@ def rewound(s: Source, watermark: "Watermark") -> bool:
     """A Delta source (or an incremental_mv's state) whose versions do not go on
     from the one the watermark consumed: recreated, replaced or restored."""
     old = watermark.versions()
-    if s.kind in (ICEBERG, ICEBERG_MV):  # snapshot ids are not ordered: the consumed one must be an ancestor
+    if s.kind in ICEBERG_KINDS:  # snapshot ids are not ordered: the consumed one must be an ancestor
         return iceberg.window(s.lineage, old.get(s.physical), s.version) is None
     return s.physical not in old or s.version is None or s.version < old[s.physical] or _replaced(s, watermark)
 
@@ -324,7 +324,7 @@ def changed_sources(watermark: "Watermark", sources: list[Source]) -> list[Sourc
             if s.listing is None or listings.get(s.physical) is None or \
                     [[list(k), d] for k, d in s.listing] != listings[s.physical]:
                 out.append(s)
-        elif s.kind == LAYERED or old.get(s.physical) != s.version or (s.kind != ICEBERG and _replaced(s, watermark)):
+        elif s.kind == LAYERED or old.get(s.physical) != s.version or (s.kind not in ICEBERG_KINDS and _replaced(s, watermark)):
             out.append(s)
     return out
 
@@ -334,12 +334,6 @@ def incremental_blocker(changed: list[Source], watermark: "Watermark", unsupport
     if unsupported is not None:
         return unsupported
     for s in changed:
-        if s.kind == ICEBERG_MV:
-            return Reason(
-                "SOURCE_ICEBERG_STATE", f"source {s.name} is an incremental_mv with file_format 'iceberg': dbt-ivm "
-                "does not read its state's changes row by row",
-                f"keep {s.name}'s state in Delta (file_format: delta) for incremental refreshes of the models "
-                "reading it")
         if s.kind == LAYERED:
             return Reason(
                 "SOURCE_LAYERED", f"source {s.name} is an incremental_mv with ivm_state_layout 'append': "
@@ -355,12 +349,12 @@ def incremental_blocker(changed: list[Source], watermark: "Watermark", unsupport
                 f"set ivm_change_feed: true on the incremental_mv {s.name}" if s.kind == MV else
                 f"ALTER TABLE {s.physical} SET TBLPROPERTIES (delta.enableChangeDataFeed = true)")
         if rewound(s, watermark):
-            if s.kind == ICEBERG:
+            if s.kind in ICEBERG_KINDS:
                 return Reason("SOURCE_VERSION_REWOUND", f"the snapshot of source {s.name} the last refresh consumed is "
                               "not an ancestor of its current snapshot (a rollback, a replaced table, expired "
                               "snapshots)")
             return Reason("SOURCE_VERSION_REWOUND", f"source {s.name} was recreated or restored since the last refresh")
-        if s.kind == ICEBERG:
+        if s.kind in ICEBERG_KINDS:
             consumed = watermark.versions().get(s.physical)
             blocked = iceberg.blocker(s.name, iceberg.window(s.lineage, consumed, s.version),
                                       iceberg.held_at(s.lineage, consumed))

@@ -132,11 +132,13 @@ def _described(ex: Executor, name: str, histories: dict) -> Source:
 
 def _iceberg_mv(ex: Executor, name: str, columns: tuple, state: str, props: dict) -> Source:
     """An incremental_mv whose state is an Iceberg table (file_format
-    'iceberg'): read at its state's snapshot, changed when that snapshot is
-    another; its change is not read row by row (decide: SOURCE_ICEBERG_STATE)."""
+    'iceberg'): read like an Iceberg source, at its state's snapshot and its
+    change through the state's changelog (the state is copy-on-write, so
+    Iceberg's changelog reads every write of it), each row weighted by its
+    multiplicity for a bag."""
     table = describe_iceberg(ex, state, (), ())
     mult = apply.COUNT if props.get(PROP_KIND) == BAG else None
-    return Source(name=name, columns=columns, kind=ICEBERG_MV, version=table.version, cdf=False,
+    return Source(name=name, columns=columns, kind=ICEBERG_MV, version=table.version, cdf=True,
                   state_table=state, multiplicity=mult, lineage=table.lineage)
 
 

@@ -3,6 +3,7 @@ dbt_ivm.refresh.iceberg_state) — its configs, the session checks made before
 anything is written, its snapshots read back as the watermark's history, and a
 model reading such a model."""
 
+import dataclasses
 import datetime
 
 import pytest
@@ -15,6 +16,7 @@ from dbt_ivm.refresh import Watermark, read_watermark
 from dbt_ivm.refresh.decide import incremental_blocker
 from dbt_ivm.refresh.iceberg_state import SUMMARY_KEY, check_session, state_table
 from dbt_ivm.refresh.refresher import state_of
+from dbt_ivm.sqltree import render
 from dbt_ivm.versions import Target
 
 STATE = "`iceberg`.`db`.`m__ivm_state`"
@@ -87,11 +89,27 @@ def test_a_write_of_the_state_from_outside_is_found():
     assert (wm.strategy, wm.foreign) == ("CREATE", "snapshot 80 (delete)")
 
 
-def test_a_model_on_an_iceberg_state_model_rebuilds_when_it_changed():
-    upstream = Source("`db`.`m`", (("a", "int"),), kind=ICEBERG_MV, version=55, state_table=STATE, cdf=False)
+def test_a_model_on_an_iceberg_state_model_reads_its_changelog():
+    """The state is copy-on-write: every write of it (a MERGE, an overwrite)
+    is readable by Iceberg's changelog, row by row; a rewound or tampered
+    state (delete files) is not."""
+    from dbt_ivm import delta
+
+    lineage = ((80, 70, "overwrite", 2, 1, 0, 0, 0, 5), (70, None, "append", 4, 0, 0, 0, 0, 4))
+    upstream = Source("`db`.`m`", (("a", "int"),), kind=ICEBERG_MV, version=80, state_table=STATE,
+                      multiplicity="__ivm_count", lineage=lineage)
     wm = Watermark("sig", "bag", "select a from db.m", {"a": "int"},
-                   [{"name": "`db`.`m`", "kind": ICEBERG_MV, "physical": STATE, "multiplicity": None,
+                   [{"name": "`db`.`m`", "kind": ICEBERG_MV, "physical": STATE, "multiplicity": "__ivm_count",
                      "columns": [["a", "int"]], "version": 70}])
-    reason = incremental_blocker([upstream], wm, None)
-    assert reason is not None and reason.code == "SOURCE_ICEBERG_STATE"
-    assert "file_format: delta" in reason.hint
+    assert incremental_blocker([upstream], wm, None) is None
+    # its change: the state's changelog view, each row weighted by its multiplicity
+    window = delta.Window(old={STATE: 70}, new={STATE: 80})
+    (view, create), = delta.changelogs([upstream], window)
+    assert "'start-snapshot-id', '70', 'end-snapshot-id', '80'" in render(create)
+    body = render(delta._scan_delta(upstream, window))
+    assert f"FROM `{view}`" in body and "THEN `__ivm_count` ELSE -`__ivm_count`" in body, body
+    # rewound: the consumed snapshot is no ancestor of the current one; delete files: refused
+    gone = dataclasses.replace(upstream, lineage=lineage[:1])
+    assert incremental_blocker([gone], dataclasses.replace(wm), None).code == "SOURCE_VERSION_REWOUND"
+    held = dataclasses.replace(upstream, lineage=((80, 70, "delete", 0, 0, 1, 1, 1, 3),) + lineage[1:])
+    assert incremental_blocker([held], wm, None).code == "ICEBERG_DELETE_FILES"

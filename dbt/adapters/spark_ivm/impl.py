@@ -254,12 +254,7 @@ class SparkIvmAdapter(SparkAdapter):
         from dbt_ivm.refresh import refresh
 
         name = _relation_name(relation)
-        if str(config.get("file_format") or "").lower() == "iceberg" and config.get("ivm_mv_dependents"):
-            logger.warning(
-                f"incremental_mv {name}: its state is kept in Iceberg (file_format 'iceberg') and an "
-                "incremental_mv of this project reads it; that model rebuilds whenever it changes "
-                "(SOURCE_ICEBERG_STATE)")
-        elif str(config.get("ivm_change_feed")).lower() == "false" and config.get("ivm_mv_dependents"):
+        if str(config.get("ivm_change_feed")).lower() == "false" and config.get("ivm_mv_dependents"):
             logger.warning(
                 f"incremental_mv {name}: ivm_change_feed is false but an incremental_mv of this project "
                 "reads it; that model will rebuild on every change (CDF_DISABLED)"
