@@ -15,6 +15,8 @@ from dbt_ivm import apply
 from dbt_ivm import iceberg
 from dbt_ivm.refresh import iceberg_state
 from dbt_ivm.catalog import DELTA, ICEBERG, ICEBERG_MV, LAYERED, MV, OTHER, Source
+from dbt_ivm.errors import IvmConfigError
+from dbt_ivm import names
 from dbt_ivm.config import APPEND, MATERIALIZATIONS
 from dbt_ivm.names import canonical, ident_text, namespace, parts, string
 from dbt_ivm.plan import BAG
@@ -22,7 +24,7 @@ from dbt_ivm.executor import Executor
 from dbt_ivm.refresh.log import as_map, commit_stamps, history_head
 from dbt_ivm.refresh.watermark import Watermark
 from dbt_ivm.partitions import partitions_predicate
-from dbt_ivm.sqltree import at_version, call, render, select
+from dbt_ivm.sqltree import at_version, call, describe_query, render, select
 from dbt_ivm.versions import Target
 from sqlglot import exp
 
@@ -312,6 +314,32 @@ def iceberg_column_values(ex: Executor, s: Source, column: str, parts: list, old
     body = arms[0] if len(arms) == 1 else exp.union(*arms, distinct=False)
     query = select(exp.cast(exp.column(column, quoted=True), "STRING")).distinct().from_(body.subquery("rows"))
     return {None if v is None else str(v) for (v,) in ex.query(render(query))}
+
+
+def iceberg_schema_moved(ex: Executor, sources, versions: dict) -> None:
+    """IvmConfigError where an Iceberg source's columns now are not those of
+    the snapshot a refresh reads: Iceberg reads a snapshot id under the schema
+    it was written with, and a rename, drop or type change commits no
+    snapshot, so a model written against the new columns cannot be read at
+    the current snapshot until the table's next one."""
+    for s in sources:
+        at = versions.get(s.physical)
+        if s.kind != ICEBERG or at is None:
+            continue
+        then = [(str(r[0]).lower(), str(r[1])) for r in ex.query(describe_query(
+            select(exp.Star()).from_(at_version(s.physical, at))))]
+        now = [(c.lower(), t) for c, t in s.columns]
+        if then != now:
+            raise IvmConfigError(
+                f"the columns of Iceberg source {names.display(s.name)} changed after its current snapshot "
+                f"{at} ({_columns_text(then)} at the snapshot; {_columns_text(now)} now), and Iceberg reads a "
+                "snapshot under the schema it was written with: the model cannot be read under the new "
+                f"columns until the table's next snapshot. Commit one (e.g. INSERT INTO {names.display(s.name)} "
+                f"SELECT * FROM {names.display(s.name)} WHERE false) and run again")
+
+
+def _columns_text(columns: list) -> str:
+    return ", ".join(f"{c} {t}" for c, t in columns) or "no columns"
 
 
 # to_json's options for a partition's values: every field (NULLs too), and

@@ -13,6 +13,7 @@ from dbt_ivm.names import canonical
 from dbt_ivm.plan import AGGREGATE, BAG
 from dbt_ivm.refresh import commit, iceberg_state
 from dbt_ivm.refresh.context import Context, Outcome, Written
+from dbt_ivm.refresh.facts import iceberg_schema_moved
 from dbt_ivm.executor import Executor
 from dbt_ivm.sqltree import create_table, describe_query, drop_table, insert, render, set_properties
 
@@ -58,7 +59,11 @@ def run(ctx: Context) -> Outcome:
     if known:
         types, sums = dict(old.columns), dict(old.sums)
     else:
-        types = {row[0].lower(): row[1] for row in ctx.ex.query(describe_query(pinned))}
+        try:
+            types = {row[0].lower(): row[1] for row in ctx.ex.query(describe_query(pinned))}
+        except Exception:
+            iceberg_schema_moved(ctx.ex, sources, ctx.versions())  # the error to act on, where that is why
+            raise
         args = aggregate_state.avg_args_query(plan, window)
         sums = aggregate_state.avg_sum_types(plan, {row[0]: row[1] for row in ctx.ex.query(describe_query(args))}) if args else {}
     body, kind, columns = state_body(plan, sources, types, sums, pinned)

@@ -13,7 +13,7 @@ from typing import Optional
 from sqlglot import exp
 
 from dbt_ivm import budget, iceberg
-from dbt_ivm.catalog import ICEBERG, ICEBERG_MV, Catalog, Source
+from dbt_ivm.catalog import ICEBERG, ICEBERG_KINDS, ICEBERG_MV, Catalog, Source
 from dbt_ivm.config import Config
 from dbt_ivm.delta import table_changes
 from dbt_ivm.errors import IvmError, Reason, UnsupportedQuery
@@ -89,6 +89,16 @@ def _present_in_catalog(ex: Executor, state: str) -> set:
         raise
 
 
+def _resolves_now(ex: Executor, model) -> None:
+    """Spark's error where the model does not resolve against its sources as
+    they are now. A rebuild reads an Iceberg source at its current snapshot,
+    and Iceberg reads a snapshot under that snapshot's schema: a column renamed
+    or dropped since (which commits no snapshot) would still resolve there,
+    and the model would build where a plain table of it fails. Planned only
+    (``LIMIT 0``), only where the compiler could not resolve a column."""
+    ex.query(render(select(exp.Star()).from_(model.tree.copy().subquery("__ivm_now")).limit(0)))
+
+
 def gather(ex: Executor, model, config: Config, state: tuple[bool, bool, Optional[Watermark]]) -> Facts:
     """The facts of one refresh of ``model`` (dbt_ivm.model.Model) under
     ``config``, beside what ``read_state`` found: catalog reads and the
@@ -103,6 +113,8 @@ def gather(ex: Executor, model, config: Config, state: tuple[bool, bool, Optiona
         plan, unsupported = budget.check(build_plan(model, catalog, target)), None
     except UnsupportedQuery as u:
         plan, unsupported = None, u
+        if u.reason.code == "UNRESOLVED_QUERY" and any(s.kind in ICEBERG_KINDS for s in sources):
+            _resolves_now(ex, model)
     sig = _with_partitioning(signature(model, list(sources)), config.partition_by)
     if watermark is not None and watermark.signature != sig:
         watermark = migrated(watermark)
