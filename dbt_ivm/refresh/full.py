@@ -13,7 +13,7 @@ from dbt_ivm.names import canonical
 from dbt_ivm.plan import AGGREGATE, BAG
 from dbt_ivm.refresh import commit, iceberg_state
 from dbt_ivm.refresh.context import Context, Outcome, Written
-from dbt_ivm.refresh.facts import iceberg_schema_moved
+from dbt_ivm.refresh.iceberg_facts import iceberg_schema_moved
 from dbt_ivm.executor import Executor
 from dbt_ivm.sqltree import create_table, describe_query, drop_table, insert, render, set_properties
 

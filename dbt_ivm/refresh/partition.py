@@ -34,8 +34,8 @@ from dbt_ivm.plan import BAG, PREFIX
 from dbt_ivm.refresh import commit, iceberg_state
 from dbt_ivm.refresh.context import Context, Outcome, Written
 from dbt_ivm.refresh.decide import NOT_PARTITIONED, rewound
-from dbt_ivm.refresh.facts import (delta_partition_changes, iceberg_column_values, iceberg_partition_changes,
-                                   listing_changes)
+from dbt_ivm.refresh.facts import delta_partition_changes, listing_changes
+from dbt_ivm.refresh.iceberg_facts import iceberg_column_values, iceberg_partition_changes
 from dbt_ivm.refresh.failpoint import failpoint
 from dbt_ivm.refresh.full import state_body
 from dbt_ivm.executor import Executor

@@ -120,7 +120,7 @@ class _Recorder:
 
 
 def test_a_transform_field_is_read_back_to_its_columns_values_at_both_snapshots():
-    from dbt_ivm.refresh.facts import iceberg_column_values, iceberg_partition_changes
+    from dbt_ivm.refresh.iceberg_facts import iceberg_column_values, iceberg_partition_changes
 
     fields = tuple(iceberg.Field.parse(f) for f in ("months(day)", "bucket(4, k)", "region", "void(x)"))
     s = Source(name="iceberg.db.ev", columns=(("k", "int"), ("day", "date"), ("region", "string")),
@@ -150,7 +150,7 @@ def test_a_transform_field_is_read_back_to_its_columns_values_at_both_snapshots(
 
 
 def test_a_table_whose_spec_evolved_has_unknown_partition_changes():
-    from dbt_ivm.refresh.facts import iceberg_partition_changes
+    from dbt_ivm.refresh.iceberg_facts import iceberg_partition_changes
 
     s = Source(name="iceberg.db.ev", columns=(("d", "int"),), kind=ICEBERG, version=9, partitions=("d",),
                fields=(iceberg.Field("identity", "d"),))
