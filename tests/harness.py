@@ -88,15 +88,18 @@ class ThriftSession:
         from pyspark.sql import Row
 
         cur = self._cursor()
-        cur.execute(statement)
-        if not cur.description:
-            return _Collected([])
-        make = Row(*[d[0] for d in cur.description])
         try:
-            rows = cur.fetchall()
-        except TypeError:  # Spark 3.5's Thrift server answers a DDL statement with a schema but no columns
-            rows = []
-        return _Collected([make(*r) for r in rows])
+            cur.execute(statement)
+            if not cur.description:
+                return _Collected([])
+            make = Row(*[d[0] for d in cur.description])
+            try:
+                rows = cur.fetchall()
+            except TypeError:  # Spark 3.5's Thrift server answers a DDL statement with a schema but no columns
+                rows = []
+            return _Collected([make(*r) for r in rows])
+        finally:
+            cur.close()  # its operation (plans, results) is freed on the server now, not at the session's end
 
     def newSession(self) -> "ThriftSession":  # noqa: N802 - SparkSession's name
         return ThriftSession()

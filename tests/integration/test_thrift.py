@@ -222,3 +222,32 @@ def test_connection_lost_mid_refresh_leaves_nothing_half_applied(tmp_path, delay
         assert check_model(f"{out}.{m}", compiled[m]) is None, (m, delay)
         problems, _ = _chain_problems(f"{out}.{m}__ivm_state")
         assert not problems, (m, delay, problems)
+
+
+def test_each_statements_operation_is_closed_when_the_next_starts():
+    """dbt-spark leaves every statement's operation open on the server until
+    its session ends (a refresh runs 10–30 statements; a run of many models
+    filled the server's heap): the adapter's wrapper closes the previous one,
+    which the server then no longer knows."""
+    from pyhive import hive
+    from TCLIService.ttypes import TGetOperationStatusReq, TStatusCode
+
+    from dbt.adapters.spark_ivm.connections import _polling_wrapper
+    from tests.harness import THRIFT_HOST, THRIFT_PORT
+
+    wrapper = _polling_wrapper()(hive.connect(host=THRIFT_HOST, port=THRIFT_PORT, username="dbt_ivm_tests"),
+                                 poll_interval=1, query_timeout=None)
+    try:
+        wrapper.cursor().execute("select 1")
+        assert wrapper.fetchall() == [(1,)]
+        first = wrapper._cursor
+        handle = first._operationHandle
+        status = first._connection.client.GetOperationStatus(TGetOperationStatusReq(operationHandle=handle))
+        assert status.status.statusCode == TStatusCode.SUCCESS_STATUS  # open on the server
+        wrapper.cursor().execute("select 2")
+        assert wrapper.fetchall() == [(2,)]
+        assert first._operationHandle is None
+        status = first._connection.client.GetOperationStatus(TGetOperationStatusReq(operationHandle=handle))
+        assert status.status.statusCode == TStatusCode.ERROR_STATUS, status  # "Invalid OperationHandle"
+    finally:
+        wrapper.close()

@@ -280,11 +280,26 @@ def _polling_wrapper():
     same interval; everything else — async execution (the server drops a
     synchronous request after ~5 minutes), errors, retries on a lost
     connection — is dbt-spark's. It also reads Spark 3.5's answer to a
-    statement without rows as no rows (``fetchall``)."""
+    statement without rows as no rows (``fetchall``), and closes each
+    statement's operation when the next one starts (``cursor``)."""
     from dbt.adapters.spark.connections import PyhiveConnectionWrapper, ThriftState
     from dbt_common.exceptions import DbtDatabaseError, DbtRuntimeError
 
     class ProportionalPolling(PyhiveConnectionWrapper):
+        def cursor(self):
+            # dbt-spark opens a PyHive cursor per statement and never closes the
+            # last one: its operation — the statement's plans and results — stays
+            # on the server until the session ends. A refresh runs 10–30
+            # statements, so a dbt run of many models filled a 3 GiB Thrift
+            # server (OutOfMemoryError: measured, docs/NOTES.md). Every caller
+            # has read the previous statement's rows before it asks for the next.
+            if self._cursor is not None:
+                try:
+                    self._cursor.close()
+                except Exception as exc:  # noqa: BLE001 - a lost connection: dbt-spark's retry deals with it
+                    logger.debug(f"Exception while closing the previous cursor: {exc}")
+            return super().cursor()
+
         def _execute_with_polling(self, sql: str, bindings: Optional[list]) -> None:
             if sql.strip().endswith(";"):
                 sql = sql.strip()[:-1]
