@@ -150,6 +150,11 @@ def server_conf(home: Path, jars: list[str], iceberg: bool = False) -> dict[str,
         "spark.executor.memory": "2g",
         "spark.executor.cores": "1",
         "spark.ui.enabled": "false",
+        # A refresh's statements broadcast small relations and every scan its
+        # Hadoop conf; the driver removes each broadcast once unreferenced, by
+        # default one blocking RPC at a time, and fell behind: 78 k broadcasts
+        # held in a 3 GiB server's heap within 15 minutes of refreshes (docs/NOTES.md).
+        "spark.cleaner.referenceTracking.blocking": "false",
         "spark.hadoop.hive.server2.thrift.bind.host": HOST,
         "spark.hadoop.hive.server2.thrift.port": str(THRIFT_PORT),
         # dbt opens a session per thread and reuses it; idle sessions of
