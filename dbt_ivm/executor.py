@@ -32,6 +32,11 @@ class Executor(ABC):
         offered, SET / RESET statements run (commit.session_confs)."""
         return False
 
+    def embedded(self) -> bool:
+        """The statements run on a Spark session in this process (not through
+        a Thrift server)."""
+        return False
+
     def spark_version(self) -> Optional[str]:
         """The Spark version the statements run on; None: ``SELECT version()``
         (facts.spark_target)."""

@@ -196,6 +196,9 @@ class SessionExecutor(Executor):
     def __init__(self, session=None):
         self.session = session
 
+    def embedded(self) -> bool:
+        return TARGET != "thrift"  # a session of this process, unless the tier runs through a server
+
     def query(self, statement: str) -> list[tuple]:
         return [tuple(r) for r in (self.session or spark()).sql(statement).collect()]
 

@@ -76,12 +76,19 @@ def outside_session_catalog(state: str) -> bool:
 def check_session(ex: Executor, catalog: str, target) -> None:
     """A config error, before anything is written, where this Spark cannot
     keep an Iceberg state: a line whose Iceberg runtime drops the snapshot
-    properties (``target``: versions.Target), or no catalog ``catalog``."""
+    properties (``target``: versions.Target), a Thrift server (the same,
+    measured), or no catalog ``catalog``."""
     if not target.iceberg_state:
         raise IvmConfigError(
             f"file_format 'iceberg' needs Spark 4.0 or 4.1 (this is Spark {target.spark}): the watermark rides in "
             "the snapshot summary of the state's write, which Iceberg's runtime for Spark 3.5 (1.10) does not set "
             "from the session. Keep the state in Delta (file_format: delta); Iceberg sources work on every line.")
+    if not ex.embedded():
+        raise IvmConfigError(
+            "file_format 'iceberg' needs dbt-spark's session method (an embedded Spark session): through a Thrift "
+            "server the watermark set in the session did not reach the state's snapshot summary (measured on "
+            "Spark 4.1 / Iceberg 1.12: every refresh rebuilt, and a model reading it was left stale). Keep the "
+            "state in Delta (file_format: delta); Iceberg sources work through Thrift.")
     key = f"spark.sql.catalog.{catalog}"
     rows = ex.query(f"SET {set_value(key)}")
     value = str(rows[0][1]) if rows and len(rows[0]) > 1 else ""

@@ -13,10 +13,10 @@ import json
 import pytest
 
 from dbt_ivm.versions import Target, installed_pyspark
-from tests.harness import ICEBERG, DbtProject, check_model, fresh_schemas, iceberg_available, sql
+from tests.harness import ICEBERG, TARGET, DbtProject, check_model, fresh_schemas, iceberg_available, sql
 
 pytestmark = [pytest.mark.spark, pytest.mark.skipif(
-    not iceberg_available() or not Target(installed_pyspark() or "").iceberg_state,
+    not iceberg_available() or not Target(installed_pyspark() or "").iceberg_state or TARGET == "thrift",
     reason="an Iceberg state needs Spark 4.0 or 4.1 with Iceberg's runtime (./run iceberg-state)")]
 
 SRC = "ices_src"

@@ -50,6 +50,9 @@ class _Answers(Executor):
     def __init__(self, answers: dict):
         self.answers, self.seen = answers, []
 
+    def embedded(self) -> bool:
+        return getattr(self, "local", True)
+
     def query(self, sql):
         self.seen.append(sql)
         return next(rows for key, rows in self.answers.items() if key in sql)
@@ -62,6 +65,9 @@ def test_the_session_is_checked_before_anything_is_written():
         check_session(good, "iceberg", Target("3.5.9"))
     with pytest.raises(IvmConfigError, match="does not define as an Iceberg catalog"):
         check_session(_Answers({"SET": [("spark.sql.catalog.iceberg", "<undefined>")]}), "iceberg", Target("4.1.4"))
+    good.local = False  # through a Thrift server
+    with pytest.raises(IvmConfigError, match="needs dbt-spark's session method"):
+        check_session(good, "iceberg", Target("4.1.4"))
 
 
 def _wm(strategy: str) -> str:

@@ -127,6 +127,9 @@ class _Executor(Executor):
 
         return list_files(session, location)
 
+    def embedded(self) -> bool:
+        return self._session() is not None
+
     def session_conf(self, confs: dict, reset: bool = False) -> bool:
         """Set (or reset) session confs directly on the embedded session: no SQL
         round trip per key. False when the connection is not ours (Thrift, ...):
