@@ -26,11 +26,6 @@ def describe_iceberg(ex: Executor, name: str, columns: tuple, fields: tuple) -> 
     spec's ``fields`` as DESCRIBE shows them (``days(ts)``, ``d``), parsed
     (iceberg.Field; None for one a refresh cannot evaluate), and their
     columns as its partition columns."""
-    # Each Spark session's Iceberg catalog caches a table's metadata, and keeps
-    # it while it is read (expire after access): a session that read the table
-    # before another session's write would see the old snapshot — through a
-    # Thrift server, a model read its upstream's state stale (test_iceberg_state).
-    ex.query(render(exp.Refresh(this=names.table(name), kind="TABLE")))
     meta = iceberg.metadata_table(name, "snapshots")
     rows = ex.query(render(select(*(exp.column(c) for c in ("snapshot_id", "parent_id", "operation", "summary")))
                            .from_(meta)))
