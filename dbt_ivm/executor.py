@@ -42,9 +42,10 @@ class Executor(ABC):
         (facts.spark_target)."""
         return None
 
-    def delta_history(self, table: str, limit: Optional[int]) -> Optional[list]:
-        """A Delta table's newest commits as DESCRIBE HISTORY rows; None: the
-        statement runs (log.describe_history)."""
+    def delta_history(self, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[list]:
+        """A Delta table's newest commits as DESCRIBE HISTORY rows (at most
+        ``limit``, none older than version ``since``); None: the statement runs
+        (log.describe_history)."""
         return None
 
     def delta_commits(self, table: str, first: int, last: int) -> Optional[list]:

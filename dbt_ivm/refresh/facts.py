@@ -44,13 +44,16 @@ _PROPS_RE = re.compile(r"([^=,\[\]\s][^=,\[\]]*)=([^,\]]*)")
 
 
 # Commits read with a source's version: enough for the change estimate of most
-# windows without a second read (see measure.Measures.change_sizes).
+# windows without a second read (see measure.Measures.change_sizes). A Delta
+# source whose consumed version is known is read down to that version only.
 HISTORY_DEPTH = 20
 
 
-def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -> Source:
+def describe_source(ex: Executor, name: str, histories: Optional[dict] = None, since: Optional[int] = None) -> Source:
     """Columns, format, change-feed flag and current version of one relation;
-    ``histories`` (physical table -> newest DESCRIBE HISTORY rows) is filled in.
+    ``histories`` (physical table -> newest DESCRIBE HISTORY rows) is filled in,
+    for a Delta table none older than version ``since`` (the watermark's: the
+    window's commits and the consumed one are what a refresh reads of them).
     A Delta table described before in the executor's ``catalog`` at the
     version its history now heads is not described again: every change of
     its schema or properties is a commit, a new version."""
@@ -58,7 +61,7 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -
     known = ex.catalog.get(name) if ex.catalog is not None else None
     if known is not None:
         try:
-            version, history = history_head(ex, name, HISTORY_DEPTH)
+            version, history = history_head(ex, name, HISTORY_DEPTH, since)
         except Exception:  # noqa: BLE001 - dropped, or no longer Delta: described (and said) below
             version, history = None, []
         stamps = commit_stamps(history)
@@ -66,13 +69,13 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None) -
         if version is not None and version == known[0] and dict(stamps).get(version) == dict(known[1].stamps).get(version):
             histories[name] = history
             return dataclasses.replace(known[1], stamps=stamps)
-    source = _described(ex, name, histories)
+    source = _described(ex, name, histories, since)
     if ex.catalog is not None and source.kind == DELTA and source.version is not None:
         ex.catalog[name] = (source.version, source)
     return source
 
 
-def _described(ex: Executor, name: str, histories: dict) -> Source:
+def _described(ex: Executor, name: str, histories: dict, since: Optional[int] = None) -> Source:
     rows = ex.query(f"DESCRIBE TABLE EXTENDED {canonical(name)}")
     columns: list[tuple[str, str]] = []
     partitions: list[str] = []
@@ -122,7 +125,7 @@ def _described(ex: Executor, name: str, histories: dict) -> Source:
         location = info.get("location")
         return Source(name=name, columns=tuple(columns), kind=OTHER, cdf=False, partitions=tuple(partitions),
                       listing=file_listing(ex, name, location, partitions) if location else None)
-    version, histories[name] = history_head(ex, name, HISTORY_DEPTH)
+    version, histories[name] = history_head(ex, name, HISTORY_DEPTH, since)
     cdf = props.get("delta.enableChangeDataFeed", "false").lower() == "true"
     return Source(name=name, columns=tuple(columns), kind=DELTA, version=version, cdf=cdf,
                   stamps=commit_stamps(histories[name]), partitions=tuple(partitions))

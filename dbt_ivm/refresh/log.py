@@ -134,20 +134,23 @@ def window_estimate(history: list[tuple], old: int, new: int) -> tuple[Optional[
     return changed, net
 
 
-def describe_history(ex: Executor, table: str, limit: Optional[int] = None) -> list[tuple]:
+def describe_history(ex: Executor, table: str, limit: Optional[int] = None, since: Optional[int] = None) -> list[tuple]:
     """The newest ``limit`` commits of a Delta table (all with None), newest
-    first, as DESCRIBE HISTORY rows. An executor may read them from the Delta
-    log directly (``delta_history``: the embedded session, where the statement's
-    planning and catalog round trips cost ~0.25 s a table, the log read ~20 ms);
-    otherwise the statement."""
-    rows = ex.delta_history(canonical(table), limit)
+    first, as DESCRIBE HISTORY rows — from the log directly none older than
+    version ``since`` (the consumed one: its commit and the window's are all a
+    refresh reads; each commit more cost ~3 ms at 1 M rows). An executor may
+    read them from the Delta log directly (``delta_history``: the embedded
+    session, where the statement's planning and catalog round trips cost
+    ~0.25 s a table, the log read ~20 ms); otherwise the statement, whose
+    ``limit`` rows cost what fewer do."""
+    rows = ex.delta_history(canonical(table), limit, since)
     if rows is None:
         rows = ex.query(f"DESCRIBE HISTORY {canonical(table)}" + (f" LIMIT {int(limit)}" if limit else ""))
     return rows
 
 
-def history_head(ex: Executor, table: str, depth: int = 1) -> tuple[Optional[int], list[tuple]]:
-    rows = describe_history(ex, table, depth)
+def history_head(ex: Executor, table: str, depth: int = 1, since: Optional[int] = None) -> tuple[Optional[int], list[tuple]]:
+    rows = describe_history(ex, table, depth, since)
     return (int(rows[0][0]) if rows else None), rows
 
 

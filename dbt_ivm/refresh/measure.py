@@ -106,7 +106,8 @@ def gather(ex: Executor, model, config: Config, state: tuple[bool, bool, Optiona
     reads)."""
     state_exists, view_exists, watermark = state
     histories: dict = {}
-    sources = tuple(describe_source(ex, n, histories) for n in model.tables)
+    consumed = watermark.versions() if watermark is not None else {}
+    sources = tuple(describe_source(ex, n, histories, consumed.get(n)) for n in model.tables)
     catalog = Catalog({s.name: s for s in sources})
     target = spark_target(ex)
     try:

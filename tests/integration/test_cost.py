@@ -56,6 +56,14 @@ def test_history_from_the_log_equals_describe_history(project):
         assert fast is not None
         assert _comparable(fast) == _comparable(slow)
         assert commit_stamps(fast) == commit_stamps(slow)  # the source-replaced check compares these
+    # down to a consumed version only (the window and its first commit), capped by the limit;
+    # a consumed version past the newest (a recreated table) reads the newest alone
+    everything = [tuple(r) for r in sql(f"describe history {t}")]
+    newest = int(everything[0][0])
+    for since, limit, want in ((newest - 2, 20, 3), (newest - 5, 2, 2), (newest + 4, 20, 1)):
+        rows = delta_log.history(spark(), f"`{SRC}`.`hist`", limit, since)
+        assert [int(r[0]) for r in rows] == list(range(newest, newest - want, -1)), (since, limit)
+        assert _comparable(rows) == _comparable(everything[:want])
     # not Delta, or not there: the statement decides
     sql(f"create table {SRC}.pq (k int) using parquet")
     assert delta_log.history(spark(), f"`{SRC}`.`pq`", 1) is None

@@ -928,3 +928,32 @@ def test_an_untried_incremental_path_is_explored_only_within_half_again_the_rebu
     for full, tried in ((1.2, "FULL"), (1.4, "INCREMENTAL")):  # the 2.0 s prior: within 1.5x of 1.4, not of 1.2
         costs = {"full": full, "rebuilt": RETRY_AFTER}
         assert cheapest(["INCREMENTAL", "FULL"], estimates(costs, 10, rows=1_000_000), costs, 10)[0] == tried
+
+
+class _Log(_Catalog):
+    """A Delta source whose history the executor reads from the log, noting how far back it was asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def delta_history(self, table, limit, since=None):
+        self.asked.append((limit, since))
+        return [(self.head[0], self.head[1], *[None] * 12)]
+
+
+def test_a_source_history_is_read_down_to_the_consumed_version_only():
+    from dbt_ivm.config import Config
+    from dbt_ivm.model import Model
+    from dbt_ivm.refresh.facts import HISTORY_DEPTH
+    from dbt_ivm.refresh.measure import gather
+    from dbt_ivm.refresh.watermark import Watermark
+
+    ex = _Log()
+    model = Model.of("select k from db.t")
+    config = Config.of({})
+    gather(ex, model, config, (False, False, None))  # no watermark: the newest HISTORY_DEPTH commits
+    wm = Watermark(signature="", kind="", sql="", columns={},
+                   sources=[{"name": "db.t", "physical": "db.t", "version": 2}])
+    gather(ex, model, config, (True, True, wm))
+    assert ex.asked == [(HISTORY_DEPTH, None), (HISTORY_DEPTH, 2)]

@@ -59,7 +59,9 @@ def _snapshot(session, table: str):
     return jvm, log, log.update(False, jvm.scala.Option.empty(), jvm.scala.Option.empty())
 
 
-def history(session, table: str, limit: Optional[int]) -> Optional[list[tuple]]:
+def history(session, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[list[tuple]]:
+    """The newest ``limit`` commits (all with None), none older than version
+    ``since`` where given (at least the newest), newest first."""
     try:
         found = _snapshot(session, table)
         if found is None:
@@ -73,6 +75,8 @@ def history(session, table: str, limit: Optional[int]) -> Optional[list[tuple]]:
         store = log.store()
         rows = []
         oldest = 0 if not limit else max(newest - int(limit) + 1, 0)
+        if since is not None:
+            oldest = max(oldest, min(int(since), newest))
         for version in range(newest, oldest - 1, -1):
             path = jvm.org.apache.hadoop.fs.Path(log.logPath(), f"{version:020d}.json")
             if not fs.exists(path):

@@ -78,7 +78,7 @@ class _Executor(Executor):
         handle = getattr(self.adapter.connections.get_thread_connection().handle, "handle", None)
         return getattr(handle, "session", None)
 
-    def delta_history(self, table: str, limit: Optional[int]) -> Optional[list]:
+    def delta_history(self, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[list]:
         """DESCRIBE HISTORY rows read from the Delta log directly (delta_log.py);
         None where the statement must run instead."""
         session = self._session()
@@ -87,9 +87,9 @@ class _Executor(Executor):
         from dbt.adapters.spark_ivm.delta_log import history
 
         start = time.time()
-        rows = history(session, table, limit)
+        rows = history(session, table, limit, since)
         if rows is not None:
-            self.timings.append((round(time.time() - start, 3), f"(delta log) history {table} {limit}"))
+            self.timings.append((round(time.time() - start, 3), f"(delta log) history {table} {len(rows)}"))
         return rows
 
     def delta_commits(self, table: str, first: int, last: int) -> Optional[list]:
