@@ -69,17 +69,34 @@ INCREMENTAL_PRIOR_S = 2.0
 # first of their kind in the JVM, 6.2–6.8 s against 1.2–1.4 s.
 KEYED_PRIOR_S = 3.0
 KEYED_REBUILD_SHARE = 0.25
+# ... and never below the rebuild scaled by CROSSOVER_ROWS / the source rows:
+# the source rows at which an untried incremental refresh is estimated to cost
+# what the rebuild does. An incremental refresh's fixed cost (the MERGE's
+# jobs and commit, planning each change-feed read, the scan of a join's
+# unchanged side) runs on the same machine as the rebuild, so the rebuild is
+# its clock where seconds are not (a 2 s prior fits one machine: on one
+# twice as slow, 1 M-row models explored at 5.6-10.4 s against 2.2 s
+# rebuilds). Measured on these machines, first incremental refresh over
+# rebuild: at 1 M rows 2.5-5x for joins, projections and affected-key
+# recomputes (0.7x for a single-table aggregate); at 10 M 0.2-0.75x — a
+# crossover near 3 M rows.
+CROSSOVER_ROWS = 3_000_000
 
 
-def prior(full: Optional[float], recomputes: bool) -> float:
-    """An incremental refresh's estimated fixed cost before one was measured.
+def prior(full: Optional[float], recomputes: bool, rows: Optional[int] = None) -> float:
+    """An incremental refresh's estimated fixed cost before one was measured,
+    for a model whose newest rebuild took ``full`` seconds over ``rows``
+    source rows.
 
     >>> prior(1.4, False), prior(1.4, True), prior(7.0, True), prior(None, True)
     (2.0, 3.35, 4.75, 3.0)
+    >>> [round(prior(*a), 2) for a in ((2.2, False, 1_000_000), (7.0, False, 10_000_000), (0.6, False, 100_000))]
+    [6.6, 2.1, 18.0]
     """
-    if not recomputes:
-        return INCREMENTAL_PRIOR_S
-    return KEYED_PRIOR_S + KEYED_REBUILD_SHARE * (full or 0.0)
+    base = KEYED_PRIOR_S + KEYED_REBUILD_SHARE * (full or 0.0) if recomputes else INCREMENTAL_PRIOR_S
+    if full is None or not rows:
+        return base
+    return max(base, full * CROSSOVER_ROWS / rows)
 
 
 # The part of a rebuild's time that does not shrink with the data it writes
@@ -184,7 +201,7 @@ def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = Non
             out[INCREMENTAL] = (fitted if fitted is not None else _scaled(seconds, before, changes),
                                 f"the last incremental refresh took {seconds:.1f}s for {before} changed rows")
         else:
-            out[INCREMENTAL] = (prior(full, recomputes) + (slope or 0.0) * changes,
+            out[INCREMENTAL] = (prior(full, recomputes, rows) + (slope or 0.0) * changes,
                                 "no incremental refresh measured yet")
     if replaced is not None:
         if costs.get("partition"):

@@ -913,21 +913,27 @@ def test_a_plan_says_whether_it_recomputes_affected_keys(sql, recomputes):
 
 
 def test_an_untried_incremental_path_is_explored_only_within_half_again_the_rebuild():
-    """The prior of an affected-key recompute grows with the rebuild; a retry
-    is taken only where estimated within RETRY_WITHIN of the rebuild."""
+    """The prior of an affected-key recompute grows with the rebuild, every
+    prior is at least the rebuild scaled by CROSSOVER_ROWS / the source rows;
+    a retry is taken only where estimated within RETRY_WITHIN of the rebuild."""
     from dbt_ivm.refresh import cheapest, estimates
     from dbt_ivm.refresh.decide import RETRY_AFTER, prior
 
     costs = {"full": 1.4, "rebuilt": RETRY_AFTER}
     keyed = estimates(costs, 10, rows=1_000_000, recomputes=True)
-    assert keyed["INCREMENTAL"][0] == pytest.approx(prior(1.4, True), abs=0.01)
+    assert keyed["INCREMENTAL"][0] == pytest.approx(prior(1.4, True, 1_000_000), abs=0.01)
     assert cheapest(["INCREMENTAL", "FULL"], keyed, costs, 10)[0] == "FULL"  # 3.35 s against 1.4: never tried
     big = {"full": 7.0, "rebuilt": 0}
     assert cheapest(["INCREMENTAL", "FULL"], estimates(big, 10, rows=10_000_000, recomputes=True), big, 10)[0] == \
         "INCREMENTAL"  # 4.75 s against 7.0: tried
     for full, tried in ((1.2, "FULL"), (1.4, "INCREMENTAL")):  # the 2.0 s prior: within 1.5x of 1.4, not of 1.2
         costs = {"full": full, "rebuilt": RETRY_AFTER}
-        assert cheapest(["INCREMENTAL", "FULL"], estimates(costs, 10, rows=1_000_000), costs, 10)[0] == tried
+        assert cheapest(["INCREMENTAL", "FULL"], estimates(costs, 10, rows=10_000_000), costs, 10)[0] == tried
+    for full in (1.4, 2.2, 4.0):  # at 1 M rows, 3x the rebuild whatever the machine: never explored
+        costs = {"full": full, "rebuilt": RETRY_AFTER}
+        est = estimates(costs, 10, rows=1_000_000)
+        assert est["INCREMENTAL"][0] >= 3 * full
+        assert cheapest(["INCREMENTAL", "FULL"], est, costs, 10)[0] == "FULL"
 
 
 class _Log(_Catalog):
