@@ -221,7 +221,8 @@ def cost_rule(decision: Decision, part, watermark: Watermark, changes: Optional[
     if PARTITION in candidates and decision.strategy == INCREMENTAL:
         # Estimated dearer than INCREMENTAL whatever the state's partition
         # count: not a candidate, and the partitions are not counted.
-        inc = estimates(costs, changes, rows=measures.total, recomputes=recomputes).get(INCREMENTAL)
+        inc = estimates(costs, changes, rows=measures.total, recomputes=recomputes,
+                        inputs=measures.input_rows()).get(INCREMENTAL)
         floor = partition_floor(costs, len(part.values))
         if inc is not None and floor is not None and inc[0] < floor:
             candidates.remove(PARTITION)
@@ -235,7 +236,7 @@ def cost_rule(decision: Decision, part, watermark: Watermark, changes: Optional[
         replaced = len(part.values)
         if not costs.get("partition") and costs.get("full") is not None:
             total = measures.partition_total()
-    est = estimates(costs, changes, replaced, total, measures.total, recomputes)
+    est = estimates(costs, changes, replaced, total, measures.total, recomputes, measures.input_rows())
     best, why = cheapest(candidates, est, costs, changes)
     if best == decision.strategy:
         return decision, est

@@ -69,7 +69,7 @@ INCREMENTAL_PRIOR_S = 2.0
 # first of their kind in the JVM, 6.2–6.8 s against 1.2–1.4 s.
 KEYED_PRIOR_S = 3.0
 KEYED_REBUILD_SHARE = 0.25
-# ... and never below the rebuild scaled by CROSSOVER_ROWS / the source rows:
+# ... and never below the rebuild scaled by CROSSOVER_ROWS / the model's source rows:
 # the source rows at which an untried incremental refresh is estimated to cost
 # what the rebuild does. An incremental refresh's fixed cost (the MERGE's
 # jobs and commit, planning each change-feed read, the scan of a join's
@@ -171,7 +171,8 @@ def fit(points: list, now: int, slope: Optional[float]) -> Optional[float]:
 
 
 def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = None,
-              total: Optional[int] = None, rows: Optional[int] = None, recomputes: bool = False) -> dict:
+              total: Optional[int] = None, rows: Optional[int] = None, recomputes: bool = False,
+              inputs: Optional[int] = None) -> dict:
     """Seconds each strategy is estimated to take, with the basis of each:
     ``{strategy: (seconds, basis)}``. From the state's own history (``costs``:
     watermark.measured_costs): INCREMENTAL a line through the incremental
@@ -179,7 +180,8 @@ def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = Non
     with a slope of ROW_COST_FACTOR rebuilt source rows per changed row, where
     the newest rebuild and the changed sources' ``rows`` are known; else the
     newest grown with half of it fixed; before one was measured, the
-    ``prior`` of its kind (``recomputes``: Plan.recomputes), plus that slope
+    ``prior`` of its kind (``recomputes``: Plan.recomputes) for the model's
+    ``inputs`` rows (all its sources', else the changed ones'), plus that slope
     times the changed rows where it is known); PARTITION likewise a line through the partition refreshes
     measured (or the newest grown with half of it fixed), else the newest
     rebuild's FIXED_S plus the share ``replaced`` of ``total`` of the rest; FULL the newest
@@ -201,7 +203,7 @@ def estimates(costs: dict, changes: Optional[int], replaced: Optional[int] = Non
             out[INCREMENTAL] = (fitted if fitted is not None else _scaled(seconds, before, changes),
                                 f"the last incremental refresh took {seconds:.1f}s for {before} changed rows")
         else:
-            out[INCREMENTAL] = (prior(full, recomputes, rows) + (slope or 0.0) * changes,
+            out[INCREMENTAL] = (prior(full, recomputes, inputs or rows) + (slope or 0.0) * changes,
                                 "no incremental refresh measured yet")
     if replaced is not None:
         if costs.get("partition"):

@@ -192,6 +192,16 @@ class Measures:
         """Physical source -> rows now, for the watermark (None: not sized)."""
         return dict(self.rows) if self.sized else None
 
+    def input_rows(self) -> Optional[int]:
+        """The rows of every source of the model whose count is known (the
+        changed ones' now, the others' as last counted), at least the changed
+        sources' total: the size an untried incremental refresh's prior scales
+        with (decide.prior) — its change query scans a join's unchanged sides
+        too, so a dimension's change is weighed against the fact's rows."""
+        known = [self.rows.get(s.physical) for s in self.facts.sources]
+        out = max(sum(n for n in known if n is not None), self.total or 0)
+        return out or None
+
     def change_sizes(self) -> dict:
         """(changed rows, rows now) of each changed source. The changed rows come
         from the window's commit metrics (metadata, no Spark job); only where those

@@ -497,7 +497,7 @@ def test_cost_rule_counts_partitions_only_when_partition_may_win(monkeypatch):
 
     config = Config.of({"partition_by": ["d"], "ivm_policy": "auto"})
     counted = []
-    measures = SimpleNamespace(total=None, partition_total=lambda: counted.append(1) or 100)
+    measures = SimpleNamespace(total=None, input_rows=lambda: None, partition_total=lambda: counted.append(1) or 100)
     part = SimpleNamespace(values=[("2024-01-01",)])
 
     def choose(costs):
@@ -929,6 +929,13 @@ def test_an_untried_incremental_path_is_explored_only_within_half_again_the_rebu
     for full, tried in ((1.2, "FULL"), (1.4, "INCREMENTAL")):  # the 2.0 s prior: within 1.5x of 1.4, not of 1.2
         costs = {"full": full, "rebuilt": RETRY_AFTER}
         assert cheapest(["INCREMENTAL", "FULL"], estimates(costs, 10, rows=10_000_000), costs, 10)[0] == tried
+    # a dimension's change is weighed against every input's rows (the change query scans the fact)
+    costs = {"full": 50.0}
+    alone = estimates(costs, 1, rows=25)["INCREMENTAL"][0]
+    with_fact = estimates(costs, 1, rows=25, inputs=100_000_025)["INCREMENTAL"][0]
+    assert with_fact == pytest.approx(prior(50.0, False) + 5.0 * 50.0 / 25) and alone > 50.0
+    assert cheapest(["INCREMENTAL", "FULL"], estimates(costs, 1, rows=25, inputs=100_000_025), costs, 1)[0] == \
+        "INCREMENTAL"
     for full in (1.4, 2.2, 4.0):  # at 1 M rows, 3x the rebuild whatever the machine: never explored
         costs = {"full": full, "rebuilt": RETRY_AFTER}
         est = estimates(costs, 10, rows=1_000_000)
