@@ -48,6 +48,13 @@ class Executor(ABC):
         (log.describe_history)."""
         return None
 
+    def delta_source(self, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[tuple]:
+        """What DESCRIBE TABLE EXTENDED and DESCRIBE HISTORY (delta_history's
+        rows) tell of a Delta table: (columns as (name, type) pairs, partition
+        columns, change feed on, history rows); None: the statements run
+        (facts.describe_source)."""
+        return None
+
     def delta_commits(self, table: str, first: int, last: int) -> Optional[list]:
         """The text of a Delta table's commit files first..last (None where one
         is gone); None: not offered (facts.delta_partition_changes)."""

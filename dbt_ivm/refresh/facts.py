@@ -76,6 +76,12 @@ def describe_source(ex: Executor, name: str, histories: Optional[dict] = None, s
 
 
 def _described(ex: Executor, name: str, histories: dict, since: Optional[int] = None) -> Source:
+    found = ex.delta_source(canonical(name), HISTORY_DEPTH, since)
+    if found is not None:  # a Delta table read from its snapshot (the embedded session)
+        columns, partitions, cdf, histories[name] = found
+        version = int(histories[name][0][0]) if histories[name] else None
+        return Source(name=name, columns=tuple((c.lower(), t) for c, t in columns), kind=DELTA, version=version,
+                      cdf=cdf, stamps=commit_stamps(histories[name]), partitions=tuple(p.lower() for p in partitions))
     rows = ex.query(f"DESCRIBE TABLE EXTENDED {canonical(name)}")
     columns: list[tuple[str, str]] = []
     partitions: list[str] = []

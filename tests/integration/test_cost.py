@@ -73,6 +73,38 @@ def test_history_from_the_log_equals_describe_history(project):
         delta_log.history(spark(), f"`{SRC}`.`hist`", 2))
 
 
+def test_a_source_described_from_its_snapshot_equals_the_statements(project):
+    """delta_log.source (the embedded session's path: no DESCRIBE statement)
+    describes a Delta source as DESCRIBE TABLE EXTENDED and DESCRIBE HISTORY do,
+    over every type a column can have; a CHAR/VARCHAR column is left to them."""
+    from dbt_ivm.refresh.facts import HISTORY_DEPTH, describe_source
+
+    wide = ", ".join(f"f{i}: int" for i in range(30))  # past the 25 fields a type string shows in full
+    t = f"{SRC}.typed"
+    sql(f"create table {t} (K bigint, i int, s smallint, b tinyint, d decimal(12, 2), x double, f float, "
+        f"str string, bin binary, ok boolean, dt date, ts timestamp, ntz timestamp_ntz, arr array<struct<a: int, "
+        f"b: string>>, m map<string, array<int>>, st struct<{wide}>, P date) using delta partitioned by (P) "
+        "tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"insert into {t} (K, P) values (1, date'2024-01-01')")
+    sql(f"alter table {t} add columns (late int)")
+    name = f"`{SRC}`.`typed`"
+    fast = delta_log.source(spark(), name, HISTORY_DEPTH)
+    assert fast is not None
+    slow = describe_source(SessionExecutor(), name)  # the statements
+    columns, partitions, cdf, rows = fast
+    assert tuple((c.lower(), ty) for c, ty in columns) == slow.columns
+    assert tuple(p.lower() for p in partitions) == slow.partitions == ("p",)
+    assert cdf is slow.cdf is True and int(rows[0][0]) == slow.version
+    assert commit_stamps(rows) == slow.stamps
+    sql(f"create table {SRC}.chars (k int, c varchar(5)) using delta")
+    assert delta_log.source(spark(), f"`{SRC}`.`chars`", HISTORY_DEPTH) is None
+    sql(f"create table {SRC}.nofeed (k int) using delta tblproperties (delta.enableChangeDataFeed = false)")
+    assert delta_log.source(spark(), f"`{SRC}`.`nofeed`", 1)[2] is False
+    assert describe_source(SessionExecutor(), f"`{SRC}`.`nofeed`").cdf is False
+    sql(f"create table {SRC}.pq2 (k int) using parquet")
+    assert delta_log.source(spark(), f"`{SRC}`.`pq2`", 1) is None
+
+
 def test_cost_rule_follows_the_measured_costs(project):
     project.write("models/m.sql", "{{ config(materialized='incremental_mv', ivm_cost_rule='auto') }}\n"
                   "select k, sum(v) as s, count(*) as n from {{ source('src', 't') }} group by k")

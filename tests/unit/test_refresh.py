@@ -970,3 +970,21 @@ def test_a_source_history_is_read_down_to_the_consumed_version_only():
                    sources=[{"name": "db.t", "physical": "db.t", "version": 2}])
     gather(ex, model, config, (True, True, wm))
     assert ex.asked == [(HISTORY_DEPTH, None), (HISTORY_DEPTH, 2)]
+
+
+class _Snapshot(_Catalog):
+    """An executor that reads a Delta table's description and history from its snapshot."""
+
+    def delta_source(self, table, limit, since=None):
+        return [("K", "int"), ("D", "date")], ["D"], True, [(self.head[0], self.head[1], *[None] * 12)]
+
+
+def test_a_delta_source_read_from_its_snapshot_runs_no_statement():
+    from dbt_ivm.refresh.facts import describe_source
+
+    ex = _Snapshot()
+    ex.catalog = None
+    s = describe_source(ex, "db.t")
+    assert ex.sql == [] and s.kind == DELTA and s.cdf and s.version == 3
+    assert s.columns == (("k", "int"), ("d", "date")) and s.partitions == ("d",)
+    assert dict(s.stamps).get(3) is not None  # the source-replaced check reads these

@@ -64,9 +64,48 @@ def history(session, table: str, limit: Optional[int], since: Optional[int] = No
     ``since`` where given (at least the newest), newest first."""
     try:
         found = _snapshot(session, table)
+        return None if found is None else _history(*found, limit, since)
+    except Exception:  # noqa: BLE001 - any failure here: the statement reads it instead
+        return None
+
+
+# A column Spark declared CHAR/VARCHAR: the log's schema says string, DESCRIBE
+# says char(n)/varchar(n) — left to the statement.
+_CHAR_VARCHAR = "__CHAR_VARCHAR_TYPE_STRING"
+
+
+def source(session, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[tuple]:
+    """What DESCRIBE TABLE EXTENDED and DESCRIBE HISTORY tell of a Delta table,
+    from its current snapshot (one log update; the two statements cost
+    0.05-0.07 s and a snapshot update each at 1 M rows): (columns as (name,
+    DESCRIBE's type) pairs, partition columns, whether its change feed is on,
+    history rows as ``history`` reads them). None where the statements must
+    run: not a Delta table of the session's catalog, a CHAR/VARCHAR column, any
+    failure."""
+    try:
+        found = _snapshot(session, table)
         if found is None:
             return None
         jvm, log, snapshot = found
+        columns = []
+        for field in snapshot.schema().fields():
+            if field.metadata().contains(_CHAR_VARCHAR):
+                return None
+            columns.append((str(field.name()), str(field.dataType().simpleString())))
+        meta = snapshot.metadata()
+        parts = meta.partitionColumns()
+        partitions = [str(parts.apply(i)) for i in range(parts.size())]
+        cdf = str(meta.configuration().get("delta.enableChangeDataFeed").getOrElse(None) or "false")
+        rows = _history(jvm, log, snapshot, limit, since)
+        if rows is None:
+            return None
+        return columns, partitions, cdf.lower() == "true", rows
+    except Exception:  # noqa: BLE001 - the statements read it instead
+        return None
+
+
+def _history(jvm, log, snapshot, limit: Optional[int], since: Optional[int]) -> Optional[list[tuple]]:
+    try:
         newest = int(snapshot.version())
         if newest < 0:
             return None

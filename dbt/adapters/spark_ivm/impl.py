@@ -92,6 +92,20 @@ class _Executor(Executor):
             self.timings.append((round(time.time() - start, 3), f"(delta log) history {table} {len(rows)}"))
         return rows
 
+    def delta_source(self, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[tuple]:
+        """A Delta table's columns, partitioning, change-feed flag and history
+        from its snapshot (delta_log.source); None where the statements run."""
+        session = self._session()
+        if session is None:
+            return None
+        from dbt.adapters.spark_ivm.delta_log import source
+
+        start = time.time()
+        found = source(session, table, limit, since)
+        if found is not None:
+            self.timings.append((round(time.time() - start, 3), f"(delta log) describe {table} {len(found[3])}"))
+        return found
+
     def delta_commits(self, table: str, first: int, last: int) -> Optional[list]:
         """Commit files of a Delta table read from its log directly (delta_log.py);
         None where a statement reads them instead."""
