@@ -78,46 +78,39 @@ class _Executor(Executor):
         handle = getattr(self.adapter.connections.get_thread_connection().handle, "handle", None)
         return getattr(handle, "session", None)
 
-    def delta_history(self, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[list]:
-        """DESCRIBE HISTORY rows read from the Delta log directly (delta_log.py);
-        None where the statement must run instead."""
+    def _from_log(self, read, label):
+        """``read(session)`` through the embedded session's JVM, timed under
+        ``label(result)`` when it answers; None without a session."""
         session = self._session()
         if session is None:
             return None
+        start = time.time()
+        out = read(session)
+        if out is not None:
+            self.timings.append((round(time.time() - start, 3), f"(delta log) {label(out)}"))
+        return out
+
+    def delta_history(self, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[list]:
+        """DESCRIBE HISTORY rows read from the Delta log directly (delta_log.py);
+        None where the statement must run instead."""
         from dbt.adapters.spark_ivm.delta_log import history
 
-        start = time.time()
-        rows = history(session, table, limit, since)
-        if rows is not None:
-            self.timings.append((round(time.time() - start, 3), f"(delta log) history {table} {len(rows)}"))
-        return rows
+        return self._from_log(lambda s: history(s, table, limit, since), lambda rows: f"history {table} {len(rows)}")
 
     def delta_source(self, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[tuple]:
         """A Delta table's columns, partitioning, change-feed flag and history
         from its snapshot (delta_log.source); None where the statements run."""
-        session = self._session()
-        if session is None:
-            return None
         from dbt.adapters.spark_ivm.delta_log import source
 
-        start = time.time()
-        found = source(session, table, limit, since)
-        if found is not None:
-            self.timings.append((round(time.time() - start, 3), f"(delta log) describe {table} {len(found[3])}"))
-        return found
+        return self._from_log(lambda s: source(s, table, limit, since),
+                              lambda found: f"describe {table} {len(found[3])}")
 
     def delta_commits(self, table: str, first: int, last: int) -> Optional[list]:
         """Commit files of a Delta table read from its log directly (delta_log.py);
         None where a statement reads them instead."""
-        session = self._session()
-        if session is None:
-            return None
         from dbt.adapters.spark_ivm.delta_log import commits
 
-        start = time.time()
-        texts = commits(session, table, first, last)
-        self.timings.append((round(time.time() - start, 3), f"(delta log) commits {table} {first}..{last}"))
-        return texts
+        return self._from_log(lambda s: commits(s, table, first, last), lambda _: f"commits {table} {first}..{last}")
 
     def delta_partition_count(self, table: str) -> Optional[int]:
         """The partitions of a Delta table's current snapshot, counted from its
