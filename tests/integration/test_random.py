@@ -35,7 +35,7 @@ fails from a fresh build of the pre-round table contents.
 
 Environment:
 
-* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 8: 12 models per round, so 96 model
+* ``DBT_IVM_RANDOM_ROUNDS`` rounds (default 4: 12 models per round, so 48 model
   refreshes, each compared with a full recompute; each round is one `dbt run` plus the checks, tens of seconds
   on a 2-core machine). ``DBT_IVM_RANDOM_ROUNDS=2000`` for a long run.
 * ``DBT_IVM_RANDOM_SEED`` (default 20261121).
@@ -60,7 +60,7 @@ from tests.harness import DbtProject, bag_diff, check_model, sql
 
 pytestmark = pytest.mark.spark
 
-ROUNDS = int(os.environ.get("DBT_IVM_RANDOM_ROUNDS", "8"))
+ROUNDS = int(os.environ.get("DBT_IVM_RANDOM_ROUNDS", "4"))
 SEED = int(os.environ.get("DBT_IVM_RANDOM_SEED", "20261121"))
 SHRINK_SECONDS = float(os.environ.get("DBT_IVM_RANDOM_SHRINK_SECONDS", "600"))
 
