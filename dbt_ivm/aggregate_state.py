@@ -43,18 +43,21 @@ def thin_build(plan: Optional[Plan]) -> bool:
 
 def _aggregate_input(plan: Plan, rel: exp.Query, unit: bool = False) -> exp.Select:
     """Per-group state changes of a weighted relation (a delta, or with ``unit``
-    a snapshot whose rows all weigh 1: a whole build, whose MIN/MAX keep a
-    top-1 prefix, as cheap as the plain aggregate; topk.top_one)."""
+    a snapshot whose rows all weigh 1: a whole build, which aggregates as the
+    plain query does — ``COUNT(*)``, ``SUM(x)``, ``COUNT(x)``, MIN/MAX keeping a
+    top-1 prefix (topk.top_one) — instead of multiplying each row by its weight:
+    a decimal product per row and aggregate, DESIGN.md §2)."""
     keys = col_list(_keys(plan))
     heap = plan.target.topk_by
-    cols = [as_(coalesce(exp.Sum(this=col(W)), num(0)), COUNT)]
+    cols = [as_(exp.Count(this=exp.Star()) if unit else coalesce(exp.Sum(this=col(W)), num(0)), COUNT)]
     for a in plan.aggregates:
         x = col(a.arg)
         if a.func in ("sum", "avg"):
-            cols.append(as_(exp.Sum(this=exp.Mul(this=x.copy(), expression=col(W))), a.col("sum")))
+            total = x.copy() if unit else exp.Mul(this=x.copy(), expression=col(W))
+            cols.append(as_(exp.Sum(this=total), a.col("sum")))
         if a.func in ("sum", "avg", "count", "min", "max"):
-            cols.append(as_(_sum_if(exp.Not(this=exp.Is(this=x.copy(), expression=exp.Null())), col(W)),
-                            a.col("nn")))
+            present = exp.Not(this=exp.Is(this=x.copy(), expression=exp.Null()))
+            cols.append(as_(exp.Count(this=x.copy()) if unit else _sum_if(present, col(W)), a.col("nn")))
         if a.func in ("min", "max"):
             added = top_one(a, x.copy()) if unit else top_k(a, x.copy(), col(W), heap=heap)
             cols.append(as_(added, a.col("ins")))  # the most extreme values added

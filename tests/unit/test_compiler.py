@@ -271,6 +271,32 @@ def test_keyed_delta_recomputes_touched_keys_from_new_snapshots(sql, keyed):
     sqlglot.parse_one(render(merge_statement(plan, "db.s", window, {c: "int" for c in plan.columns})), read="spark")
 
 
+def test_an_aggregate_build_aggregates_as_the_plain_query_does():
+    """A whole build of an aggregate over sources whose rows all weigh 1 counts
+    and sums the values themselves (COUNT(*), SUM(x), COUNT(x)), as the plain
+    query does: no decimal product by the weight per row and aggregate. Over an
+    upstream bag model (rows carry a multiplicity) it stays weighted, and a
+    refresh's change is always weighted."""
+    from dbt_ivm.aggregate_state import group_changes
+    from dbt_ivm.apply import state_query
+    from dbt_ivm.delta import Window
+
+    cols = (("k", "int"), ("d", "decimal(12,2)"))
+    cat = Catalog({"db.a": Source("db.a", cols, kind="delta", version=3, cdf=True),
+                   "db.m": Source("db.m", cols, kind="mv", version=3, cdf=True, state_table="db.m__ivm_state",
+                                  multiplicity="__ivm_count")})
+    sql = "select k, count(*) as n, sum(d) as s, avg(d) as a, count(d) as c, max(d) as hi from {} group by k"
+    unit = render(state_query(build_plan(sql.format("db.a"), cat), Window(new={"db.a": 3}), {}))
+    assert "`__ivm_w`" not in unit.split(" GROUP BY ")[0].split(" FROM ")[0], unit
+    assert "COUNT(*) AS `__ivm_count`" in unit and "SUM(`__ivm_x1`) AS `__ivm_a1_sum`" in unit, unit
+    assert "COUNT(`__ivm_x1`) AS `__ivm_a1_nn`" in unit, unit
+    weighted = render(state_query(build_plan(sql.format("db.m"), cat), Window(new={"db.m": 3}), {}))
+    assert "SUM(`__ivm_x1` * `__ivm_w`) AS `__ivm_a1_sum`" in weighted, weighted
+    assert "COALESCE(SUM(`__ivm_w`), 0) AS `__ivm_count`" in weighted, weighted
+    change = render(group_changes(build_plan(sql.format("db.a"), cat), Window(old={"db.a": 2}, new={"db.a": 3})))
+    assert "SUM(`__ivm_x1` * `__ivm_w`) AS `__ivm_a1_sum`" in change, change
+
+
 def test_row_number_ties_are_broken_by_every_column_read():
     plan = build_plan("select a.i, a.d, row_number() over (partition by a.i order by a.j) as rn, "
                       "rank() over (partition by a.i order by a.j) as rk from db.a a", VERSIONED)
