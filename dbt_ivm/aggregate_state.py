@@ -15,7 +15,8 @@ from sqlglot import exp
 from dbt_ivm.delta import NEW, W, Window, delta, snapshot
 from dbt_ivm.names import DIALECT, PREFIX
 from dbt_ivm.plan import AGGREGATE, Plan
-from dbt_ivm.sqltree import (aliased, call, case, cast, coalesce, col, cte, hint, named, nullsafe_on, num, or_,
+from dbt_ivm.sqltree import (aliased, call, case, cast, coalesce, col, cte, hint, lateral_view, named, nullsafe_on, num,
+                             or_, string,
                              paren, select)
 from dbt_ivm.sqltree import alias as as_
 from dbt_ivm.state_rows import COUNT, Node, col_list, plus_cols, state_ref, state_rows, unit_weights
@@ -41,40 +42,130 @@ def thin_build(plan: Optional[Plan]) -> bool:
     return plan is not None and plan.kind == AGGREGATE and plan.has_minmax and unit_weights(plan)
 
 
-def _aggregate_input(plan: Plan, rel: exp.Query, unit: bool = False) -> exp.Select:
+def _aggregate_input(plan: Plan, rel: exp.Query, types: dict, unit: bool = False, build: bool = False) -> exp.Select:
     """Per-group state changes of a weighted relation (a delta, or with ``unit``
     a snapshot whose rows all weigh 1: a whole build, which aggregates as the
     plain query does — ``COUNT(*)``, ``SUM(x)``, ``COUNT(x)``, MIN/MAX keeping a
     top-1 prefix (topk.top_one) — instead of multiplying each row by its weight:
-    a decimal product per row and aggregate, DESIGN.md §2)."""
+    a decimal product per row and aggregate, DESIGN.md §2). Where a sum's
+    product with its weight would drop decimal scale (wide_sums), rows of
+    weight n are repeated n times and their values summed with their sign.
+    A ``build`` takes each bounded AVG (bounded_averages) from Spark's AVG
+    over such unit rows."""
     keys = col_list(_keys(plan))
     heap = plan.target.topk_by
-    cols = [as_(exp.Count(this=exp.Star()) if unit else coalesce(exp.Sum(this=col(W)), num(0)), COUNT)]
+    wide = set() if unit else wide_sums(plan, types)
+    averaged = bounded_averages(plan, types) if build else []
+    w = col(W)
+    if wide or (averaged and not unit):
+        rel, w = _repeated(rel), col(W1)
+    cols = [as_(exp.Count(this=exp.Star()) if unit else coalesce(exp.Sum(this=w.copy()), num(0)), COUNT)]
     for a in plan.aggregates:
         x = col(a.arg)
         if a.func in ("sum", "avg"):
-            total = x.copy() if unit else exp.Mul(this=x.copy(), expression=col(W))
+            if unit:
+                total = x.copy()
+            elif a.col("sum") in wide:  # w is 1 or -1: the value or its negation, never a product
+                total = case(exp.GT(this=w.copy(), expression=num(0)), x.copy(), exp.Neg(this=x.copy()))
+            else:
+                total = exp.Mul(this=x.copy(), expression=w.copy())
             cols.append(as_(exp.Sum(this=total), a.col("sum")))
+        if a in averaged:  # unit rows (a build): Spark's own AVG
+            cols.append(as_(exp.Avg(this=x.copy()), a.col("avg")))
         if a.func in ("sum", "avg", "count", "min", "max"):
             present = exp.Not(this=exp.Is(this=x.copy(), expression=exp.Null()))
-            cols.append(as_(exp.Count(this=x.copy()) if unit else _sum_if(present, col(W)), a.col("nn")))
+            cols.append(as_(exp.Count(this=x.copy()) if unit else _sum_if(present, w.copy()), a.col("nn")))
         if a.func in ("min", "max"):
-            added = top_one(a, x.copy()) if unit else top_k(a, x.copy(), col(W), heap=heap)
+            added = top_one(a, x.copy()) if unit else top_k(a, x.copy(), w.copy(), heap=heap)
             cols.append(as_(added, a.col("ins")))  # the most extreme values added
             if not unit:  # a snapshot removes nothing
-                cols.append(as_(top_k(a, x.copy(), exp.Neg(this=col(W)), heap=heap), a.col("del")))  # ... and removed
+                cols.append(as_(top_k(a, x.copy(), exp.Neg(this=w.copy()), heap=heap), a.col("del")))  # ... and removed
                 removed = exp.and_(exp.Not(this=exp.Is(this=x.copy(), expression=exp.Null())),
-                                   exp.LT(this=col(W), expression=num(0)))
-                cols.append(as_(_sum_if(removed, exp.Neg(this=col(W))), a.col("rm")))  # non-null values removed
+                                   exp.LT(this=w.copy(), expression=num(0)))
+                cols.append(as_(_sum_if(removed, exp.Neg(this=w.copy())), a.col("rm")))  # non-null values removed
     out = select(*keys, *cols).from_(aliased(rel, f"{PREFIX}d"))
     return out.group_by(*col_list(_keys(plan))) if keys else out
 
 
-def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False) -> dict[str, Node]:
+W1 = f"{PREFIX}w1"
+
+
+def _repeated(rel: exp.Query) -> exp.Select:
+    """``rel`` with each row of weight n repeated |n| times, weighing its sign
+    (``__ivm_w1``, 1 or -1): the rows a plain query would aggregate."""
+    r = f"{PREFIX}r"
+    w = col(W, r)
+    sign = case(exp.GT(this=w, expression=num(0)), num(1), num(-1))
+    out = select(exp.Column(this=exp.Star(), table=exp.to_identifier(r, quoted=True)), as_(sign, W1)).from_(
+        aliased(rel, r))
+    out.set("laterals", [lateral_view(call("explode", call("sequence", cast(num(1), "BIGINT"),
+                                                             cast(exp.Abs(this=w.copy()), "BIGINT"))),
+                                      f"{PREFIX}e", f"{PREFIX}i")])
+    return out
+
+
+def _decimal(spark_type: Optional[str]) -> Optional[tuple[int, int]]:
+    m = _DECIMAL.fullmatch(str(spark_type or "").strip())
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def bounded_averages(plan: Plan, types: dict) -> list:
+    """The AVG calls whose quotient _quotient keeps exact only below a bound:
+    a decimal sum of more than 34 digits and a scale from 2 to 34."""
+    out = []
+    for a in plan.aggregates:
+        t = _decimal(types.get(a.col("sum"))) if a.func == "avg" else None
+        if t and t[0] > 34 and 2 <= t[1] <= 34:
+            out.append(a)
+    return out
+
+
+def wide_sums(plan: Plan, types: dict) -> set:
+    """The sum state columns (``types``: sum column -> Spark type, sum_types)
+    whose argument Spark would multiply by a BIGINT weight at a lower scale: a
+    decimal(p,s) argument of p >= 18 and s > 6 (its sum decimal(p+10,s), of
+    precision 28 and more), whose product Spark types decimal(38,6) and rounds.
+
+    >>> p = type("P", (), {"aggregates": [type("A", (), {"func": "sum", "col": lambda s, c: "x_" + c})()]})
+    >>> wide_sums(p, {"x_sum": "decimal(38,18)"}), wide_sums(p, {"x_sum": "decimal(30,10)"}), wide_sums(p, {"x_sum": "decimal(38,6)"}), wide_sums(p, {"x_sum": "decimal(27,10)"})
+    ({'x_sum'}, {'x_sum'}, set(), set())
+    """
+    out = set()
+    for a in plan.aggregates:
+        t = _decimal(types.get(a.col("sum"))) if a.func in ("sum", "avg") else None
+        if t and t[0] >= 28 and t[1] > 6:
+            out.add(a.col("sum"))
+    return out
+
+
+# A refresh that adds two sums past this range fails with this in its message
+# (nothing written) and rebuilds instead (DECIMAL_RANGE).
+DECIMAL_RANGE = "DBT_IVM_DECIMAL_RANGE"
+
+
+def exact_add(left: Node, right: Node, spark_type: Optional[str]) -> Node:
+    """``left + right`` for two sums of the state column type ``spark_type``.
+    Spark types the sum of two decimal(38,s) values decimal(38,s-1) for s > 6
+    (a carry digit past 38 drops a digit of scale): each operand is cast to
+    decimal(37,s) first, which is exact while both are below 10^(37-s); past
+    that the statement fails with DECIMAL_RANGE and the refresh rebuilds."""
+    t = _decimal(spark_type)
+    if not t or t[0] < 38 or t[1] <= 6:
+        return exp.Add(this=left, expression=right)
+    bound = exp.Literal.number("1" + "0" * (37 - t[1]))
+    narrow = f"decimal(37,{t[1]})"
+    fits = exp.and_(*(exp.LT(this=exp.Abs(this=v.copy()), expression=bound.copy()) for v in (left, right)))
+    return case(fits, exp.Add(this=cast(left, narrow), expression=cast(right, narrow)), _range_error(t, 37 - t[1]))
+
+
+def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
+               averaged: bool = False) -> dict[str, Node]:
     """Every state column after applying the change row ``s`` to the state row
     ``t`` (``t`` None: there is no state row yet). ``guard``: there is no
-    recompute; a top-k that runs out fails the statement (guarded). Each value
-    is a tree of its own (copy one to use it twice)."""
+    recompute; a top-k that runs out fails the statement (guarded).
+    ``averaged``: ``s`` carries Spark's own AVG of each bounded AVG (a build,
+    _aggregate_input). Each value is a tree of its own (copy one to use it
+    twice)."""
     def plus(column: str) -> Node:
         return paren(plus_cols(column, "t", "s")) if t else col(column, "s")
 
@@ -87,8 +178,8 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False) -
         if a.func in ("sum", "avg", "count", "min", "max"):
             out[a.col("nn")] = plus(a.col("nn"))
         if a.func in ("sum", "avg"):
-            total = (exp.Add(this=coalesce(col(a.col("sum"), "t"), num(0)),
-                             expression=coalesce(col(a.col("sum"), "s"), num(0))) if t else col(a.col("sum"), "s"))
+            total = (exact_add(coalesce(col(a.col("sum"), "t"), num(0)), coalesce(col(a.col("sum"), "s"), num(0)),
+                               types.get(a.col("sum"))) if t else col(a.col("sum"), "s"))
             out[a.col("sum")] = case(exp.EQ(this=out[a.col("nn")].copy(), expression=num(0)), exp.Null(), total)
         if a.func in ("min", "max"):
             if not t:
@@ -98,9 +189,10 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False) -
                 out[a.col("top")] = guarded(a, merged_top(a, "t", "s"))
             else:
                 out[a.col("top")] = case(col(RC, "s"), col(a.col("rcv"), "s"), merged_top(a, "t", "s"))
+    averages = {a.col("avg"): col(a.col("avg"), "s") for a in bounded_averages(plan, types)} if averaged else {}
     visible = {}
     for name, expr in zip(plan.columns, plan.outputs):
-        value = _finalize(plan, expr, {**out, **unguarded}, types)
+        value = _finalize(plan, expr, {**out, **unguarded, **averages}, types)
         visible[name] = _cast(value, types.get(name))
     return {**visible, **out}
 
@@ -120,11 +212,8 @@ _SIMPLE_TYPE = re.compile(r"[A-Za-z_]+(\(\s*\d+\s*(,\s*\d+\s*)?\))?")
 
 
 def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, Node], types: dict) -> Node:
-    """The visible value of a select expression, from new state column values.
-    An AVG of a decimal divides its sum cast to the type Spark's own AVG sums in
-    (``types[<sum column>]``, avg_sum_types): the state's sum is exact but wider,
-    and a wider dividend makes Spark round the quotient at another scale before
-    the cast to the visible type, a last-digit difference (BENCHMARKS.md)."""
+    """The visible value of a select expression, from new state column values
+    (an AVG: _quotient)."""
     by_call = {a.call.sql(DIALECT): a for a in plan.aggregates}
 
     def value(a) -> Node:
@@ -134,12 +223,12 @@ def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, Node], types: d
             return state[a.col("nn")].copy()
         if a.func == "sum":
             return state[a.col("sum")].copy()
+        if a.func == "avg" and a.col("avg") in state:
+            return state[a.col("avg")].copy()
         if a.func == "avg":
-            nn, total = state[a.col("nn")], state[a.col("sum")].copy()
-            if types.get(a.col("sum")):
-                total = cast(total, types[a.col("sum")])
+            nn = state[a.col("nn")]
             return case(exp.EQ(this=nn.copy(), expression=num(0)), exp.Null(),
-                        exp.Div(this=paren(total), expression=nn.copy()))
+                        _quotient(state[a.col("sum")].copy(), nn.copy(), types.get(a.col("sum"))))
         return call("try_element_at", state[a.col("top")].copy(), num(1))
 
     def repl(node: exp.Expression) -> exp.Expression:
@@ -153,15 +242,44 @@ def _finalize(plan: Plan, expr: exp.Expression, state: dict[str, Node], types: d
     return expr.copy().transform(repl)
 
 
+def _quotient(total: Node, count: Node, sum_type: Optional[str]) -> Node:
+    """An AVG's value from its sum (of ``sum_type``, sum_types) and count, as
+    Spark's AVG computes it: the quotient rounded half up once, at the AVG's
+    scale s + 4. Spark's ``/`` types its quotient by the operands' digits:
+    a decimal(38,18) sum over a BIGINT count rounds at scale 18, four digits
+    short of the AVG's 22. So the sum is cast to decimal(34,s) (and the count to
+    decimal(20,0)), whose quotient Spark types decimal(38,s+4): exact while the
+    sum is below 10^(34-s), which a sum of at most 34 digits always is; past
+    that the statement fails with DECIMAL_RANGE and the refresh rebuilds.
+    Other sums (no decimal, or a scale under 2, whose AVG rounds at 6 digits
+    at least) are divided as they are, cast to their type."""
+    t = _decimal(sum_type)
+    if not t or not 2 <= t[1] <= 34:
+        dividend = cast(total, sum_type) if sum_type else total
+        return exp.Div(this=paren(dividend), expression=count)
+    quotient = exp.Div(this=cast(total, f"decimal(34,{t[1]})"), expression=cast(count, "decimal(20,0)"))
+    if t[0] <= 34:
+        return quotient
+    fits = exp.LT(this=exp.Abs(this=total.copy()), expression=exp.Literal.number("1" + "0" * (34 - t[1])))
+    return case(fits, quotient, _range_error(t, 34 - t[1]))
+
+
+def _range_error(t: tuple[int, int], digits: int) -> Node:
+    return call("raise_error", string(
+        f"{DECIMAL_RANGE}: a decimal({t[0]},{t[1]}) sum reached 10^{digits}, past what Spark's decimal arithmetic "
+        "keeps exact in one expression; the refresh rebuilds the model"))
+
+
 def aggregate_full_state(plan: Plan, window: Window, types: dict) -> exp.Select:
     rel = snapshot(plan.input, window, NEW)
-    cols = _new_state(plan, None, types)
+    cols = _new_state(plan, None, types, averaged=True)
     return (select(*(as_(v, k) for k, v in cols.items()))
-            .from_(aliased(_aggregate_input(plan, rel, unit_weights(plan)), "s")))
+            .from_(aliased(_aggregate_input(plan, rel, types, unit_weights(plan), build=True), "s")))
 
 
-def group_changes(plan: Plan, window: Window) -> Optional[exp.Select]:
-    """Per-group state changes of the window (None: no source of the plan changed)."""
+def group_changes(plan: Plan, window: Window, types: dict) -> Optional[exp.Select]:
+    """Per-group state changes of the window (None: no source of the plan
+    changed); ``types``: the state's (sum_types among them)."""
     d = delta(plan.input, window)
     if d is None:
         return None
@@ -169,10 +287,10 @@ def group_changes(plan: Plan, window: Window) -> Optional[exp.Select]:
     total = exp.Sum(this=col(W))
     consolidated = (select(*col_list(inputs), as_(total, W)).from_(aliased(d, f"{PREFIX}d0"))
                     .group_by(*col_list(inputs)).having(exp.NEQ(this=total.copy(), expression=num(0))))
-    return _aggregate_input(plan, consolidated)
+    return _aggregate_input(plan, consolidated, types)
 
 
-def recompute_groups(plan: Plan, state: str, window: Window,
+def recompute_groups(plan: Plan, state: str, window: Window, types: dict,
                      change: Optional[exp.Query] = None) -> Optional[exp.Select]:
     """The keys (and ``__ivm_rc`` = TRUE) of the groups whose MIN/MAX top-k the
     window empties (None: no MIN/MAX, or nothing changed). Read-only. Only groups
@@ -182,7 +300,7 @@ def recompute_groups(plan: Plan, state: str, window: Window,
     aggregate_change's rows (computed already)."""
     if not plan.has_minmax:
         return None
-    change = change.copy() if change is not None else group_changes(plan, window)
+    change = change.copy() if change is not None else group_changes(plan, window, types)
     if change is None:
         return None
     lost = or_(exp.GT(this=col(m.col("rm")), expression=num(0)) for m in minmax(plan))
@@ -197,7 +315,7 @@ def recompute_groups(plan: Plan, state: str, window: Window,
 
 def aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recompute: Optional[exp.Query],
                      change: Optional[exp.Query]) -> Optional[exp.Merge]:
-    source = change.copy() if change is not None else group_changes(plan, window)
+    source = change.copy() if change is not None else group_changes(plan, window, types)
     if source is None:
         return None
     keys = plan.key_columns
@@ -263,7 +381,7 @@ def _partials(plan: Plan) -> list[str]:
 def aggregate_layer(plan: Plan, state: str, window: Window, types: dict) -> Optional[exp.Insert]:
     """An aggregate's append-layout INSERT (apply.append_statement): the
     window's per-group change as a layer of signed partial sums."""
-    change = group_changes(plan, window)
+    change = group_changes(plan, window, types)
     if change is None:
         return None
     partials = [COUNT] + _partials(plan)
@@ -295,30 +413,33 @@ def folded_aggregate(plan: Plan, state: str, types: dict, where: Optional[Node] 
     return select(*(as_(v, k) for k, v in cols.items())).from_(aliased(folded, "s"))
 
 
-def avg_args_query(plan: Optional[Plan], window: Window) -> Optional[exp.Select]:
-    """A query whose columns are the arguments of the plan's AVG calls at the
-    window's new versions (to DESCRIBE for avg_sum_types); None: no AVG."""
-    avgs = [a for a in (plan.aggregates if plan is not None and plan.kind == AGGREGATE else []) if a.func == "avg"]
-    if not avgs:
+def sum_args_query(plan: Optional[Plan], window: Window) -> Optional[exp.Select]:
+    """A query whose columns are the arguments of the plan's SUM and AVG calls
+    at the window's new versions (to DESCRIBE for sum_types); None: none."""
+    args = [a.arg for a in (plan.aggregates if plan is not None and plan.kind == AGGREGATE else [])
+            if a.func in ("sum", "avg")]
+    if not args:
         return None
     rel = snapshot(plan.input, window, NEW)
-    return select(*(col(a.arg) for a in avgs)).from_(aliased(rel, f"{PREFIX}d"))
+    return select(*(col(a) for a in dict.fromkeys(args))).from_(aliased(rel, f"{PREFIX}d"))
 
 
-def avg_sum_types(plan: Plan, arg_types: dict) -> dict:
-    """AVG sum state column -> the type Spark's AVG sums a decimal argument in,
-    decimal(min(38, p + 10), s), from the arguments' types (DESCRIBE of
-    avg_args_query: column -> type). Other arguments are left out.
+def sum_types(plan: Plan, arg_types: dict) -> dict:
+    """SUM/AVG sum state column -> the type Spark's SUM and AVG sum a decimal
+    argument in, decimal(min(38, p + 10), s), from the arguments' types
+    (DESCRIBE of sum_args_query: column -> type). Other arguments are left out.
+    An AVG divides its sum cast to this type (_finalize); a wide one is kept
+    exact through refreshes (wide_sums, exact_add).
 
     >>> p = type("P", (), {"aggregates": [type("A", (), {"func": "avg", "arg": "x", "col": lambda s, c: "x_" + c})()]})
-    >>> avg_sum_types(p, {"x": "decimal(12,2)"}), avg_sum_types(p, {"x": "DECIMAL(35, 4)"}), avg_sum_types(p, {"x": "int"})
+    >>> sum_types(p, {"x": "decimal(12,2)"}), sum_types(p, {"x": "DECIMAL(35, 4)"}), sum_types(p, {"x": "int"})
     ({'x_sum': 'decimal(22,2)'}, {'x_sum': 'decimal(38,4)'}, {})
     """
     out = {}
     for a in plan.aggregates:
-        m = _DECIMAL.fullmatch(str(arg_types.get(a.arg, "")).strip()) if a.func == "avg" else None
-        if m:
-            out[a.col("sum")] = f"decimal({min(38, int(m.group(1)) + 10)},{int(m.group(2))})"
+        t = _decimal(arg_types.get(a.arg)) if a.func in ("sum", "avg") else None
+        if t:
+            out[a.col("sum")] = f"decimal({min(38, t[0] + 10)},{t[1]})"
     return out
 
 

@@ -84,11 +84,11 @@ def state_query(plan: Plan, window: Window, types: dict) -> exp.Select:
     return distinct_state(plan, window)
 
 
-def aggregate_change(plan: Plan, window: Window) -> Optional[exp.Select]:
+def aggregate_change(plan: Plan, window: Window, types: dict) -> Optional[exp.Select]:
     """An aggregate plan's per-group change of the window (None: no source of the
     plan changed): the MERGE's source, which a MIN/MAX refresh computes once and
     hands to both recompute_groups and merge_statement as ``change``."""
-    return group_changes(plan, window) if plan.kind == AGGREGATE else None
+    return group_changes(plan, window, types) if plan.kind == AGGREGATE else None
 
 
 def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompute: Optional[exp.Query] = None,

@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from dbt_ivm import apply
+from dbt_ivm import aggregate_state, apply
+from dbt_ivm.aggregate_state import DECIMAL_RANGE
+from dbt_ivm.names import DIALECT
 from dbt_ivm.config import APPEND, MERGE, Config
 from dbt_ivm.errors import DefinitionChanged, IvmConfigError, IvmError, Reason
 from dbt_ivm.plan import AGGREGATE, BAG, Plan
@@ -83,6 +85,20 @@ def feed_unreadable(e: BaseException) -> bool:
     return bool(_MISSING_HISTORY.search(str(e)) or _SCHEMA_CHANGED.search(str(e)))
 
 
+def incremental_failed(e: BaseException) -> Optional[Reason]:
+    """Why an INCREMENTAL that failed before writing anything gives way to a
+    rebuild (None: the error is not one of those)."""
+    if feed_unreadable(e):
+        return cdf_unavailable(e)
+    if DECIMAL_RANGE in str(e):
+        return Reason(
+            "DECIMAL_RANGE", "a decimal sum of the state reached the range where Spark adds two such sums "
+            "only by rounding their last decimal digit (a decimal(38,s) sum at 10^(37-s), s > 6): rebuilt exactly",
+            "cast the summed column to a type of at most 27 digits (a decimal(27,s) sums in decimal(37,s), exactly) "
+            "if its sums stay that large")
+    return None
+
+
 def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation: str = "") -> Choice:
     """The final decision for this refresh, and what was measured for it
     (``measures``: a measure.Measures). Raises IvmConfigError for a config
@@ -102,7 +118,7 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
     # The state's own change feed costs every write ~30 %; it is kept only for
     # readers of it: incremental_mv models built on this one.
     change_feed = config.change_feed == "true" or (config.change_feed == "auto" and config.mv_dependents)
-    check_layout(plan, config)
+    check_layout(plan, config, watermark.sums if watermark is not None else None)
     check_feed_columns(plan, change_feed)
     allowed(decision, config, relation)
     sizes: dict = {}
@@ -290,9 +306,9 @@ def check_feed_columns(plan: Optional[Plan], change_feed: bool) -> None:
             "its state's change feed: Delta cannot update such a table. Rename the column(s) with an alias.")
 
 
-def check_layout(plan: Optional[Plan], config: Config) -> None:
+def check_layout(plan: Optional[Plan], config: Config, sums: Optional[dict] = None) -> None:
     """ivm_state_layout='append' where it cannot hold: a config error, before
-    anything is written."""
+    anything is written (``sums``: the state's sum types, where known)."""
     if config.state_layout != APPEND:
         return
     if not apply.append_eligible(plan):
@@ -306,6 +322,13 @@ def check_layout(plan: Optional[Plan], config: Config) -> None:
             "ivm_state_layout 'append' cannot serve an incremental_mv that reads this model: such a "
             "reader follows the state's change feed, which would hold partial sums. Use "
             "ivm_state_layout: auto or merge for this model.")
+    bounded = aggregate_state.bounded_averages(plan, sums or {})
+    if bounded:
+        raise IvmConfigError(
+            f"ivm_state_layout 'append' divides each AVG's sum by its count at every read, and for "
+            f"{bounded[0].call.sql(DIALECT)} (a decimal of more than 24 digits and a scale of 2 or more) Spark's "
+            "division of a sum past 10^(34 - scale) rounds short of the AVG's scale: the view could not stay "
+            "exact. Use ivm_state_layout: auto or merge for this model, or cast the column to decimal(24, scale).")
 
 
 def settle_layout(config: Config, plan: Optional[Plan], old: Optional[Watermark], incr: bool) -> str:

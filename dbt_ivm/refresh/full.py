@@ -11,7 +11,8 @@ from dbt_ivm.delta import Window
 from dbt_ivm.errors import IvmConfigError
 from dbt_ivm.names import canonical
 from dbt_ivm.plan import AGGREGATE, BAG
-from dbt_ivm.refresh import commit, iceberg_state
+from dbt_ivm.config import APPEND
+from dbt_ivm.refresh import chain, commit, iceberg_state
 from dbt_ivm.refresh.context import Context, Outcome, Written
 from dbt_ivm.refresh.iceberg_facts import iceberg_schema_moved
 from dbt_ivm.executor import Executor
@@ -64,8 +65,10 @@ def run(ctx: Context) -> Outcome:
         except Exception:
             iceberg_schema_moved(ctx.ex, sources, ctx.versions())  # the error to act on, where that is why
             raise
-        args = aggregate_state.avg_args_query(plan, window)
-        sums = aggregate_state.avg_sum_types(plan, {row[0]: row[1] for row in ctx.ex.query(describe_query(args))}) if args else {}
+        args = aggregate_state.sum_args_query(plan, window)
+        sums = aggregate_state.sum_types(plan, {row[0]: row[1] for row in ctx.ex.query(describe_query(args))}) if args else {}
+    if ctx.settings.layout == APPEND:
+        chain.check_layout(plan, ctx.config, sums)
     body, kind, columns = state_body(plan, sources, types, sums, pinned)
     if kind != AGGREGATE:
         _check_row_types(types)

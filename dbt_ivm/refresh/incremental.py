@@ -109,7 +109,7 @@ def _statements(ctx: Context, shared: _Pieces, window: Window) -> Outcome:
     out = Outcome(changed_sources=[s.name for s in ctx.sources if window.changed(s)])
     if ctx.settings.layout == APPEND:
         return append_layer(ctx, shared, window, out)
-    change = apply.aggregate_change(plan, window) if plan.has_minmax else None
+    change = apply.aggregate_change(plan, window, watermark.typed()) if plan.has_minmax else None
     if change is None:
         return merge(ctx, shared, window, out)
     # MIN/MAX, optimistic first: nearly always no group's kept top-k runs out,
@@ -139,7 +139,7 @@ def _statements(ctx: Context, shared: _Pieces, window: Window) -> Outcome:
 
     try:
         change = cached("change", change)
-        groups = cached("recompute", aggregate_state.recompute_groups(plan, ctx.state, window, change))
+        groups = cached("recompute", aggregate_state.recompute_groups(plan, ctx.state, window, watermark.typed(), change))
         count = int(ctx.ex.query(render(select(exp.Count(this=exp.Star())).from_(
             aliased(groups.copy(), f"{PREFIX}g"))))[0][0])
         return merge(ctx, shared, window, out, change, groups if count else None, count)

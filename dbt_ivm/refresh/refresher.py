@@ -128,10 +128,12 @@ def _apply(ctx: Context, result: Result) -> Context:
             return _report(ctx, incremental.run(ctx, small), result)
         except Exception as e:
             # The window's change files or old snapshot are gone (VACUUM, log
-            # cleanup): nothing was written; rebuild instead, unless told not to.
-            if not chain.feed_unreadable(e):
+            # cleanup), or a wide decimal sum left the range Spark adds exactly:
+            # nothing was written; rebuild instead, unless told not to.
+            reason = chain.incremental_failed(e)
+            if reason is None:
                 raise
-            decision = chain.fallback(ctx.facts.partition, chain.cdf_unavailable(e), decision.skipped, ctx.config)
+            decision = chain.fallback(ctx.facts.partition, reason, decision.skipped, ctx.config)
             chain.allowed(decision, ctx.config, ctx.relation, e)
             result.strategy, result.reason, result.skipped = decision.strategy, decision.reason, list(decision.skipped)
             ctx = dataclasses.replace(ctx, choice=dataclasses.replace(ctx.choice, decision=decision))

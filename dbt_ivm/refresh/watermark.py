@@ -61,7 +61,7 @@ class Watermark:
     replaced: Optional[int] = None  # the partitions its (partition) refresh replaced
     view: str = ""  # digest of the view statement over the state (a rebuild re-creates the view only if it differs)
     costs: dict = field(default_factory=dict)  # ... and measured_costs of its recent commits
-    sums: dict = field(default_factory=dict)  # AVG sum state column -> Spark's sum type (aggregate_state.avg_sum_types)
+    sums: dict = field(default_factory=dict)  # SUM/AVG sum state column -> Spark's sum type (aggregate_state.sum_types)
     partition_by: list = field(default_factory=list)  # the state's partition columns (the model's partition_by)
     partitions: Optional[int] = None  # the state's partitions when last counted (carried: measure.Measures.partition_total)
     partitions_age: int = 0  # ... that many refreshes before this one
@@ -76,7 +76,7 @@ class Watermark:
 
     def typed(self) -> dict:
         """The types the state's statements are built with: the visible columns'
-        and the AVG sums'."""
+        and the SUM and AVG sums'."""
         return {**self.columns, **self.sums}
 
     def stamps(self) -> dict:

@@ -125,7 +125,7 @@ def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
     plan = _minmax_plan()
     window = Window(old={"db.a": 2}, new={"db.a": 3}, broadcast=True)
     types = {"i": "int", "mn": "int", "mx": "double", "n": "bigint"}
-    probe = render(recompute_groups(plan, "db.s", window))
+    probe = render(recompute_groups(plan, "db.s", window, {}))
     merge = render(merge_statement(plan, "db.s", window, types))
     full = render(merge_statement(plan, "db.s", window, types, recompute=sqlglot.parse_one("SELECT * FROM groups_view")))
     for statement in (probe, merge, full):
@@ -150,7 +150,7 @@ def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
     assert "`db`.`s`" not in full.split(" USING ", 1)[1]
     # no MIN/MAX, no probe
     cat = Catalog({"db.a": Source("db.a", (("i", "int"),), kind="delta", version=3, cdf=True)})
-    assert recompute_groups(build_plan("select i, count(*) as n from db.a group by i", cat), "db.s", window) is None
+    assert recompute_groups(build_plan("select i, count(*) as n from db.a group by i", cat), "db.s", window, {}) is None
 
 
 def test_append_layout_statements():
@@ -293,8 +293,38 @@ def test_an_aggregate_build_aggregates_as_the_plain_query_does():
     weighted = render(state_query(build_plan(sql.format("db.m"), cat), Window(new={"db.m": 3}), {}))
     assert "SUM(`__ivm_x1` * `__ivm_w`) AS `__ivm_a1_sum`" in weighted, weighted
     assert "COALESCE(SUM(`__ivm_w`), 0) AS `__ivm_count`" in weighted, weighted
-    change = render(group_changes(build_plan(sql.format("db.a"), cat), Window(old={"db.a": 2}, new={"db.a": 3})))
+    change = render(group_changes(build_plan(sql.format("db.a"), cat), Window(old={"db.a": 2}, new={"db.a": 3}), {}))
     assert "SUM(`__ivm_x1` * `__ivm_w`) AS `__ivm_a1_sum`" in change, change
+
+
+def test_a_wide_decimal_sum_is_never_multiplied_by_its_weight_nor_added_in_one_step():
+    """Spark types decimal(38,18) * BIGINT as decimal(38,6) and the sum of two
+    decimal(38,18) values as decimal(38,17). A refresh of such a sum repeats
+    rows of weight n n times and adds their signed values; its MERGE adds the
+    state's and the change's sums as decimal(37,18) each, under a range check;
+    an AVG divides a decimal(34,18) sum (Spark's quotient: decimal(38,22), the
+    AVG's scale). A narrow decimal keeps the product and the plain addition."""
+    from dbt_ivm.aggregate_state import DECIMAL_RANGE, group_changes
+    from dbt_ivm.apply import merge_statement
+    from dbt_ivm.delta import Window
+
+    cat = Catalog({"db.a": Source("db.a", (("k", "int"), ("x", "decimal(38,18)"), ("y", "decimal(12,2)")),
+                                  kind="delta", version=3, cdf=True)})
+    plan = build_plan("select k, sum(x) as sx, avg(x) as ax, sum(y) as sy from db.a group by k", cat)
+    types = {"__ivm_a0_sum": "decimal(38,18)", "__ivm_a1_sum": "decimal(38,18)", "__ivm_a2_sum": "decimal(22,2)"}
+    window = Window(old={"db.a": 2}, new={"db.a": 3})
+    change = render(group_changes(plan, window, types))
+    assert "EXPLODE(SEQUENCE(CAST(1 AS BIGINT), CAST(ABS(" in change, change
+    assert "* `__ivm_w" not in change.replace("`__ivm_x2` * `__ivm_w1`", ""), change
+    assert "SUM(CASE WHEN `__ivm_w1` > 0 THEN `__ivm_x0` ELSE -`__ivm_x0` END) AS `__ivm_a0_sum`" in change, change
+    merge = render(merge_statement(plan, "db.s", window, types))
+    assert "CAST(COALESCE(`t`.`__ivm_a0_sum`, 0) AS DECIMAL(37, 18)) + CAST(COALESCE(`s`.`__ivm_a0_sum`, 0) AS " \
+           "DECIMAL(37, 18))" in merge, merge
+    assert merge.count(DECIMAL_RANGE) >= 3, merge  # two sums, one AVG quotient
+    assert "CAST(" in merge and "AS DECIMAL(34, 18)) / CAST(" in merge, merge
+    assert "COALESCE(`t`.`__ivm_a2_sum`, 0) + COALESCE(`s`.`__ivm_a2_sum`, 0)" in merge, merge
+    narrow = render(group_changes(plan, window, {"__ivm_a2_sum": "decimal(22,2)"}))
+    assert "EXPLODE" not in narrow and "SUM(`__ivm_x2` * `__ivm_w`)" in narrow, narrow
 
 
 def test_row_number_ties_are_broken_by_every_column_read():
@@ -480,7 +510,7 @@ def test_minmax_statements_fit_the_spark_they_run_on(spark, heap):
     types = {c: "string" for c in plan.columns}
     statements = [apply.state_query(plan, Window(new=window.new), types),
                   apply.merge_statement(plan, "`db`.`m__ivm_state`", window, types),
-                  aggregate_state.recompute_groups(plan, "`db`.`m__ivm_state`", window)]
+                  aggregate_state.recompute_groups(plan, "`db`.`m__ivm_state`", window, {})]
     calls = [c for s in statements for c in s.find_all(exp.Anonymous) if c.name.lower() in ("min_by", "max_by")]
     assert bool(calls) == heap
     assert all(len(c.expressions) == 3 for c in calls)

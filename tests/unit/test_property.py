@@ -82,7 +82,7 @@ def _statements(sql: str, plan) -> list[str]:
     out = [apply.state_query(plan, Window(new=window.new), types)]
     out.append(apply.merge_statement(plan, state, window, types))
     if plan.has_minmax:
-        out.append(aggregate_state.recompute_groups(plan, state, window))
+        out.append(aggregate_state.recompute_groups(plan, state, window, {}))
     if apply.append_eligible(plan):
         out.append(apply.append_statement(plan, state, window, types))
         out.append(apply.folded_state(plan, state, types))
