@@ -16,8 +16,7 @@ from dbt_ivm.delta import NEW, W, Window, delta, snapshot
 from dbt_ivm.names import DIALECT, PREFIX
 from dbt_ivm.plan import AGGREGATE, Plan
 from dbt_ivm.sqltree import (aliased, call, case, cast, coalesce, col, cte, hint, lateral_view, named, nullsafe_on, num,
-                             or_, string,
-                             paren, select)
+                             or_, paren, select, string)
 from dbt_ivm.sqltree import alias as as_
 from dbt_ivm.state_rows import COUNT, Node, col_list, plus_cols, state_ref, state_rows, unit_weights
 from dbt_ivm.topk import guarded, merged_top, minmax, runs_out, top_k, top_one
@@ -428,8 +427,8 @@ def sum_types(plan: Plan, arg_types: dict) -> dict:
     """SUM/AVG sum state column -> the type Spark's SUM and AVG sum a decimal
     argument in, decimal(min(38, p + 10), s), from the arguments' types
     (DESCRIBE of sum_args_query: column -> type). Other arguments are left out.
-    An AVG divides its sum cast to this type (_finalize); a wide one is kept
-    exact through refreshes (wide_sums, exact_add).
+    The statements keep a sum of a wide type exact (wide_sums, exact_add,
+    _quotient).
 
     >>> p = type("P", (), {"aggregates": [type("A", (), {"func": "avg", "arg": "x", "col": lambda s, c: "x_" + c})()]})
     >>> sum_types(p, {"x": "decimal(12,2)"}), sum_types(p, {"x": "DECIMAL(35, 4)"}), sum_types(p, {"x": "int"})

@@ -13,9 +13,9 @@ from typing import Optional
 
 from dbt_ivm import aggregate_state, apply
 from dbt_ivm.aggregate_state import DECIMAL_RANGE
-from dbt_ivm.names import DIALECT
 from dbt_ivm.config import APPEND, MERGE, Config
 from dbt_ivm.errors import DefinitionChanged, IvmConfigError, IvmError, Reason
+from dbt_ivm.names import DIALECT
 from dbt_ivm.plan import AGGREGATE, BAG, Plan
 from dbt_ivm.refresh.context import Choice, Facts, Settings
 from dbt_ivm.refresh.definition import FAIL_HINT, differences, in_place
@@ -92,10 +92,10 @@ def incremental_failed(e: BaseException) -> Optional[Reason]:
         return cdf_unavailable(e)
     if DECIMAL_RANGE in str(e):
         return Reason(
-            "DECIMAL_RANGE", "a decimal sum of the state reached the range where Spark adds two such sums "
-            "only by rounding their last decimal digit (a decimal(38,s) sum at 10^(37-s), s > 6): rebuilt exactly",
-            "cast the summed column to a type of at most 27 digits (a decimal(27,s) sums in decimal(37,s), exactly) "
-            "if its sums stay that large")
+            "DECIMAL_RANGE", "a decimal sum of the state reached the range where Spark's decimal arithmetic "
+            "rounds the next step (a decimal(38,s) sum, s > 6, adding past 10^(37-s); an AVG of a decimal of 25 "
+            "digits or more dividing a sum past 10^(34-s)): rebuilt exactly",
+            "cast the column to at most 24 digits, decimal(24,s), if its sums stay that large")
     return None
 
 
