@@ -29,13 +29,7 @@ def project(tmp_path_factory):
     sql(f"insert into {SRC}.t select id % 3, cast(id as decimal(38,18)) / 7, cast(id as decimal(20,10)) / 3 "
         "from range(0, 30)")
     sql(f"insert into {SRC}.d values (0, 'a'), (1, 'b'), (1, 'b2'), (2, 'c')")
-    p.write("models/sources.yml", f"""
-        version: 2
-        sources:
-          - name: src
-            schema: {SRC}
-            tables: [{{name: t}}, {{name: d}}]
-    """)
+    p.write_sources(SRC, "t", "d")
     p.write("models/sums.sql", "{{ config(materialized='incremental_mv', ivm_full_threshold=1) }}\n"
             "select k, sum(x) as sx, avg(x) as ax, sum(y) as sy, avg(y) as ay, count(*) as n "
             "from {{ source('src', 't') }} group by k")
