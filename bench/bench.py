@@ -83,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--policy", default="auto", choices=("auto", "incremental"),
                    help="ivm_policy of the incremental_mv models: auto (the cost rule may rebuild) or incremental "
                         "(every refresh on the incremental path: what it costs, whatever auto would choose)")
+    p.add_argument("--layout", default="auto", choices=("auto", "merge", "append"),
+                   help="ivm_state_layout of the incremental_mv models (default auto: the product's default)")
     p.add_argument("--order", default="alternate", choices=("mv", "table", "alternate"),
                    help="which runs first after a change: the incremental_mv refresh, the plain table, or each "
                         "in turn by round (default: the first scan of a change's new files pays 0.1-0.4 s more)")
@@ -158,7 +160,8 @@ class Bench:
 
     def write_project(self) -> None:
         models = {"+file_format": "delta", "+schema": None,
-                  "mv": {"+materialized": "incremental_mv", "+tags": ["mv"], "+ivm_policy": self.args.policy},
+                  "mv": {"+materialized": "incremental_mv", "+tags": ["mv"], "+ivm_policy": self.args.policy,
+                         "+ivm_state_layout": getattr(self.args, "layout", "auto")},
                   "table": {"+materialized": "table", "+tags": ["table"]},
                   "inc": {"+materialized": "incremental", "+incremental_strategy": "merge", "+tags": ["inc"]}}
         del models["+schema"]

@@ -122,6 +122,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--name", default="fixed-cost")
     p.add_argument("--policy", choices=("auto", "incremental", "full"), default="auto",
                    help="ivm_policy of the models (incremental: the incremental path whatever auto would choose)")
+    p.add_argument("--layout", default="auto", choices=("auto", "merge", "append"),
+                   help="ivm_state_layout of the models (default auto)")
     a = p.parse_args()
     a.rows = size_arg(a.rows)
     a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]

@@ -158,12 +158,39 @@ def merge(ctx: Context, shared: _Pieces, window: Window, out: Outcome, change: O
         return out
     consolidated = watermark.units and plan.kind == BAG and consolidate(ctx)
     shared.cache()
+    source = f"{PREFIX}source_{ctx.run_id}"
+    try:
+        return _merge(ctx, out, _from_cache(ctx, merge, source), recompute, consolidated)
+    finally:
+        ctx.ex.query(render(drop_view(source)))
+
+
+def _from_cache(ctx: Context, merge: exp.Merge, view: str) -> exp.Merge:
+    """The MERGE reading its source from a table cached (eagerly) as ``view``.
+    Delta joins its source with the state in each of its passes, and picks
+    the join by the source's estimated size: a change is a few rows, but
+    estimated from deltas joined with snapshots it looks huge, so every pass
+    shuffled the whole state (a sort-merge join). Cached first, the source has
+    its real size, and the passes that can (finding the touched files,
+    writing deletion vectors) broadcast it; the pass writing inserted rows
+    is an outer join with the source on the outer side and still shuffles
+    the touched files (docs/NOTES.md §3)."""
+    using = merge.args["using"]
+    ctx.ex.query(render(cache_table(view, using.this, lazy=False)))
+    merge = merge.copy()
+    merge.set("using", aliased(named(view), using.alias))
+    return merge
+
+
+def _merge(ctx: Context, out: Outcome, merge: exp.Merge, recompute: int, consolidated: bool) -> Outcome:
+    plan, watermark = ctx.plan, ctx.watermark
     settled = commit.set_properties(ctx, watermark)
     key = commit.view_in_step(ctx, plan, plan.kind, plan.columns, watermark.typed())
     wm = commit.watermark(ctx, Decision(INCREMENTAL), watermark.signature, watermark.columns, watermark.sums,
                           Written(recomputed=recompute, settled=settled or key is not None, view_key=key))
-    # Our MERGE source is small but expensive (deltas joined with snapshots):
-    # computed once and cached, not re-evaluated by each of Delta's MERGE jobs.
+    # The source is a cached table, but Delta refuses to read one unless it
+    # materializes it (DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION): a copy of
+    # a few rows, with the cached table's real size.
     with commit.committing(ctx, wm, watermark.commit_version,
                            {"spark.databricks.delta.merge.materializeSource": "all"}):
         failpoint("before_commit", ctx.relation)
