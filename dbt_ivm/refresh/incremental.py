@@ -196,14 +196,17 @@ def _from_cache(ctx: Context, merge: exp.Merge, view: str) -> exp.Merge:
 
 
 def _merge(ctx: Context, out: Outcome, merge: exp.Merge, recompute: int, consolidated: bool) -> Outcome:
+    """Run ``merge`` as the refresh's one commit, carrying the watermark."""
     plan, watermark = ctx.plan, ctx.watermark
     settled = commit.set_properties(ctx, watermark)
     key = commit.view_in_step(ctx, plan, plan.kind, plan.columns, watermark.typed())
     wm = commit.watermark(ctx, Decision(INCREMENTAL), watermark.signature, watermark.columns, watermark.sums,
                           Written(recomputed=recompute, settled=settled or key is not None, view_key=key))
-    # The source is a cached table, but Delta refuses to read one unless it
-    # materializes it (DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION): a copy of
-    # a few rows, with the cached table's real size.
+    # Our MERGE source is small but expensive (deltas joined with snapshots):
+    # materialized once, not re-evaluated by each of Delta's passes. A cached
+    # source (_from_cache) must be materialized too: Delta refuses to read one
+    # otherwise (DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION); the copy keeps
+    # the cached table's real size.
     with commit.committing(ctx, wm, watermark.commit_version,
                            {"spark.databricks.delta.merge.materializeSource": "all"}):
         failpoint("before_commit", ctx.relation)
