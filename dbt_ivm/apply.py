@@ -4,9 +4,10 @@ the pinned query.
 
 State layout (DESIGN.md §2), by root operator:
 
-* bag / distinct (``dbt_ivm.bag_state``): the visible columns, ``__ivm_rid``
-  (xxhash64 of them) and ``__ivm_count`` (the row's multiplicity); one state
-  row per distinct row.
+* bag / distinct (``dbt_ivm.bag_state``): the visible columns and
+  ``__ivm_count`` (the row's multiplicity); one state row per distinct row
+  (a bag's rebuild writes unit rows, consolidated before a MERGE where they
+  repeat).
 * aggregate (``dbt_ivm.aggregate_state``, MIN/MAX in ``dbt_ivm.topk``): the
   visible columns, the group keys ``__ivm_k<i>``, ``__ivm_count`` (rows in the
   group) and per-aggregate state ``__ivm_a<j>_sum|nn|v``.

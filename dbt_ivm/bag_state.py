@@ -1,7 +1,7 @@
-"""The state of a bag or DISTINCT root: the visible columns, ``__ivm_rid``
-(xxhash64 of them) and ``__ivm_count`` (the row's multiplicity) — one state
-row per distinct row under the merge layout, unit rows and signed layers under
-the append layout (DESIGN.md §2).
+"""The state of a bag or DISTINCT root: the visible columns and
+``__ivm_count`` (the row's multiplicity) — one state row per distinct row under
+the merge layout, unit rows and signed layers under the append layout
+(DESIGN.md §2).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ def _consolidated(rel: exp.Query, cols: list[str]) -> exp.Select:
 
 def distinct_state(plan: Plan, window: Window) -> exp.Select:
     rel = snapshot(plan.input, window, NEW)
-    return (select(*col_list(plan.columns), as_(row_hash(plan.columns), RID), col(COUNT))
-            .from_(aliased(_consolidated(rel, plan.columns), f"{PREFIX}s")))
+    return select(*col_list(plan.columns), col(COUNT)).from_(aliased(_consolidated(rel, plan.columns), f"{PREFIX}s"))
 
 
 def bag_merge(plan: Plan, state: str, window: Window) -> Optional[exp.Merge]:
@@ -43,8 +42,8 @@ def bag_merge(plan: Plan, state: str, window: Window) -> Optional[exp.Merge]:
                  then=exp.Var(this="DELETE")),
         exp.When(matched=True, then=exp.Update(expressions=[exp.EQ(this=col(COUNT), expression=plus_cols(COUNT, "t", "s"))])),
         exp.When(matched=False, condition=exp.GT(this=col(COUNT, "s"), expression=num(0)), then=exp.Insert(
-            this=exp.Tuple(expressions=col_list(cols) + [col(RID), col(COUNT)]),
-            expression=exp.Tuple(expressions=col_list(cols, "s") + [row_hash(cols, "s"), col(COUNT, "s")]))),
+            this=exp.Tuple(expressions=col_list(cols) + [col(COUNT)]),
+            expression=exp.Tuple(expressions=col_list(cols, "s") + [col(COUNT, "s")]))),
     ]
     return exp.Merge(this=state_ref(state, "t"), using=aliased(_consolidated(d, cols), "s"),
                      on=nullsafe_on(cols, "t", "s"), whens=exp.Whens(expressions=whens))
@@ -56,20 +55,20 @@ def bag_units(plan: Plan, window: Window) -> exp.Select:
     return unit_rows(rel, plan.columns, W, unit_weights(plan))
 
 
-def state_repeats(state: str) -> exp.Select:
+def state_repeats(cols: list[str], state: str) -> exp.Select:
     """How many rows of a plain-row state under the merge layout repeat
-    another's RID: 0 means it holds one row per distinct row, as the MERGE
+    another's hash: 0 means it holds one row per distinct row, as the MERGE
     needs (distinct hashes imply distinct rows; a collision only counts as a
     repeat, and the state is then consolidated for nothing)."""
-    repeats = exp.Sub(this=exp.Count(this=num(1)), expression=exp.Count(this=exp.Distinct(expressions=[col(RID)])))
-    return select(repeats).from_(state_ref(state))
+    distinct = exp.Count(this=exp.Distinct(expressions=[row_hash(cols)]))
+    return select(exp.Sub(this=exp.Count(this=num(1)), expression=distinct)).from_(state_ref(state))
 
 
 def consolidated_state(cols: list[str], state: str) -> exp.Select:
     """A plain-row state's rows consolidated: one per distinct row, its counts
     summed (the INSERT OVERWRITE of a state that state_repeats found repeats in)."""
-    return (select(*col_list(cols), col(RID), as_(exp.Sum(this=col(COUNT)), COUNT)).from_(state_ref(state))
-            .group_by(*col_list(cols), col(RID)))
+    return (select(*col_list(cols), as_(exp.Sum(this=col(COUNT)), COUNT)).from_(state_ref(state))
+            .group_by(*col_list(cols)))
 
 
 def bag_layer(plan: Plan, state: str, window: Window) -> Optional[exp.Insert]:
@@ -87,21 +86,24 @@ def folded_bag(cols: list[str], state: str, where: Optional[Node] = None) -> exp
     """A layered bag's rows, as unit state rows. Every row of a bag's state is
     a unit row (COUNT 1) except a layer's removals (negative) and, in a state
     written under the merge layout, consolidated duplicates (> 1). Rows whose
-    RID never carries another count are the bag's rows as they stand (a scan
-    with a broadcast anti join); the few others are summed per row, dropped
-    where no copy is left, and repeated. The second branch scans the state
-    again even when it finds nothing (measured: a read costs 1.4-1.9x the
-    state's scan with no such RID, about 3x with a few; BENCHMARKS.md)."""
-    b, n = f"{PREFIX}b", f"{PREFIX}n"
+    hash (RID, computed here) never carries another count are the bag's rows
+    as they stand (a scan with a broadcast anti join); the few others are
+    summed per row (grouped by the columns: a collision cannot mix rows),
+    dropped where no copy is left, and repeated. The odd rows' scans skip
+    every file of unit rows (Delta's statistics on COUNT); the second branch
+    scans the state again even when it finds nothing (measured: a read costs
+    1.4-1.9x the state's scan with no such row, about 3x with a few;
+    BENCHMARKS.md)."""
+    b, o, n = f"{PREFIX}b", f"{PREFIX}o", f"{PREFIX}n"
 
     def odd() -> Node:  # no DISTINCT: a shuffle for nothing
         other = or_([exp.LT(this=col(COUNT), expression=num(1)), exp.GT(this=col(COUNT), expression=num(1))])
-        return aliased(select(col(RID)).from_(state_rows(state, where, f"{PREFIX}o")).where(other), n)
+        return aliased(select(as_(row_hash(cols, o), RID)).from_(state_rows(state, where, o)).where(other), n)
 
     def on() -> Node:
-        return exp.EQ(this=col(RID, b), expression=col(RID, n))
+        return exp.EQ(this=row_hash(cols, b), expression=col(RID, n))
 
-    kept = select(*col_list(cols, b), col(RID, b), col(COUNT, b)).from_(state_rows(state, where, b))
+    kept = select(*col_list(cols, b), col(COUNT, b)).from_(state_rows(state, where, b))
     kept = kept.join(odd(), on=on(), join_type="left anti")
     kept.set("hint", hint("BROADCAST", n))
     total = exp.Sum(this=col(COUNT, b))

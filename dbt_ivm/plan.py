@@ -38,7 +38,9 @@ from dbt_ivm.support import known_sources, output_columns, require_query, root_d
 from dbt_ivm.versions import Target
 
 # 2: MIN/MAX keep a bounded top-k per group; 3: canonical quoted table names
-COMPILER_VERSION = "4"  # 4: AVG of a decimal divides Spark's sum type (Watermark.sums)
+# 4: AVG of a decimal divides Spark's sum type (Watermark.sums); 5: plain-row
+# states keep no row hash (__ivm_rid)
+COMPILER_VERSION = "5"
 
 BAG, DISTINCT, AGGREGATE = "bag", "distinct", "aggregate"
 

@@ -238,12 +238,12 @@ def consolidate(ctx: Context) -> bool:
     """Before the first MERGE into a plain-row state a rebuild wrote as unit
     rows (Watermark.units): the MERGE matches a row on every column and needs
     one state row per distinct row. Where some repeat (bag_state.state_repeats,
-    one aggregate over the state's RIDs), the state is rewritten consolidated
+    one aggregate over the state's row hashes), the state is rewritten consolidated
     first, as a maintenance commit (the watermark stays the rebuild's, and
     its flag makes a refresh after a crash here check again). A rebuild thus
     skips grouping every row, and pays it only where rows repeat and a MERGE
     follows (the append layout never needs it)."""
-    if int(ctx.ex.query(render(bag_state.state_repeats(ctx.state)))[0][0]) == 0:
+    if int(ctx.ex.query(render(bag_state.state_repeats(ctx.plan.columns, ctx.state)))[0][0]) == 0:
         return False
     with commit.maintenance(ctx):
         ctx.ex.query(render(insert(ctx.state, bag_state.consolidated_state(ctx.plan.columns, ctx.state), overwrite=True)))

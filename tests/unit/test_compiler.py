@@ -214,13 +214,14 @@ def test_append_layout_of_a_bag():
     insert = render(append_statement(plan, "db.s", window, {}))
     folded = render(folded_state(plan, "db.s", {}))
     units = render(state_query(plan, Window(new={"db.a": 3}), {}))
-    repeats, consolidated = render(state_repeats("db.s")), render(consolidated_state(plan.columns, "db.s"))
+    repeats, consolidated = render(state_repeats(plan.columns, "db.s")), render(consolidated_state(plan.columns, "db.s"))
     for statement in (insert, folded, units, repeats, consolidated):
         sqlglot.parse_one(statement, read="spark")
     assert "GROUP BY" not in units and "EXPLODE" not in units.upper() and "CAST(1 AS BIGINT) AS `__ivm_count`" in units
-    assert repeats == "SELECT COUNT(1) - COUNT(DISTINCT `__ivm_rid`) FROM `db`.`s`"
-    assert consolidated == ("SELECT `i`, `j2`, `__ivm_rid`, SUM(`__ivm_count`) AS `__ivm_count` FROM `db`.`s` "
-                            "GROUP BY `i`, `j2`, `__ivm_rid`")
+    assert repeats == "SELECT COUNT(1) - COUNT(DISTINCT XXHASH64(`i`, `j2`)) FROM `db`.`s`"
+    assert consolidated == "SELECT `i`, `j2`, SUM(`__ivm_count`) AS `__ivm_count` FROM `db`.`s` GROUP BY `i`, `j2`"
+    # no row hash is stored: the state is the visible columns and the count
+    assert "__ivm_rid" not in units and "__ivm_rid" not in insert and "XXHASH64" not in units.upper()
     distinct = build_plan("select distinct i from db.a", cat)
     assert "GROUP BY" in render(state_query(distinct, Window(new={"db.a": 3}), {}))  # one row per row, as it shows
     assert insert.startswith("INSERT INTO `db`.`s` SELECT")
