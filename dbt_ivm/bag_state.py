@@ -89,11 +89,9 @@ def folded_bag(cols: list[str], state: str, where: Optional[Node] = None) -> exp
     hash (RID, computed here) never carries another count are the bag's rows
     as they stand (a scan with a broadcast anti join); the few others are
     summed per row (grouped by the columns: a collision cannot mix rows),
-    dropped where no copy is left, and repeated. The odd rows' scans skip
-    every file of unit rows (Delta's statistics on COUNT); the second branch
-    scans the state again even when it finds nothing (measured: a read costs
-    1.4-1.9x the state's scan with no such row, about 3x with a few;
-    BENCHMARKS.md)."""
+    dropped where no copy is left, and repeated. The second branch scans the
+    state again even when it finds nothing (measured: a read costs 1.4-1.9x
+    the state's scan with no such row, about 3x with a few; BENCHMARKS.md)."""
     b, o, n = f"{PREFIX}b", f"{PREFIX}o", f"{PREFIX}n"
 
     def odd() -> Node:  # no DISTINCT: a shuffle for nothing
