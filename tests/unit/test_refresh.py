@@ -618,7 +618,7 @@ MINMAX = "select i, max(v) as m from db.a group by i"
     ("auto", SUMS, False, "append", False, 0, "merge"),
     ("auto", SUMS, True, "append", True, 3 << 20, "merge"),
     ("auto", MINMAX, False, "merge", True, 3 << 20, "merge"),
-    ("auto", "select i, v from db.a", False, "merge", True, 20 << 20, "merge"),  # plain rows: from 64 MiB
+    ("auto", "select i, v from db.a", False, "merge", True, 20 << 20, "merge"),  # plain rows: from 32 MiB
     ("auto", "select i, v from db.a", False, "merge", True, 200 << 20, "append"),
     ("auto", "select i, v from db.a", False, "append", True, 0, "append"),  # ... and they stay
     ("auto", "select i, v from db.a", False, "merge", False, 200 << 20, "merge"),  # a rebuild keeps the layout
