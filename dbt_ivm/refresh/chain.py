@@ -44,8 +44,9 @@ AUTO_LAYOUT = MERGE
 # appended, the refresh costs 0.26 of it and a read 3x (BENCHMARKS.md). At
 # 1 M rows (20 MiB) the MERGE is near a rebuild and the read wins. Those sizes
 # held a stored row hash; without it (8 bytes a row) the same states take 12
-# and ~125 MiB, and the LEFT JOIN projection's 10 M rows ~60 MiB, which a
-# 64 MiB threshold left merged (a 19.2 s MERGE against a 7.2 s table).
+# and 117 MiB (as much as the plain table), and the LEFT JOIN projection's
+# 10 M rows 40 MiB, which a 64 MiB threshold left merged (a 19.2 s MERGE
+# against a 7.2 s table).
 BAG_APPEND_AUTO_BYTES = 32 << 20
 
 
