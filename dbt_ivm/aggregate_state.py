@@ -15,10 +15,10 @@ from sqlglot import exp
 from dbt_ivm.delta import NEW, W, Window, delta, snapshot
 from dbt_ivm.names import DIALECT, PREFIX
 from dbt_ivm.plan import AGGREGATE, Plan
-from dbt_ivm.sqltree import (aliased, call, case, cast, coalesce, col, cte, hint, lateral_view, named, nullsafe_on, num,
-                             or_, paren, select, string)
+from dbt_ivm.sqltree import (aliased, and_, call, case, cast, coalesce, col, cte, hint, lateral_view, named,
+                             nullsafe_on, num, or_, paren, select, string)
 from dbt_ivm.sqltree import alias as as_
-from dbt_ivm.state_rows import COUNT, Node, col_list, plus_cols, state_ref, state_rows, unit_weights
+from dbt_ivm.state_rows import COUNT, Node, col_list, state_ref, state_rows, unit_weights
 from dbt_ivm.topk import guarded, merged_top, minmax, runs_out, top_k, top_one
 
 RC = f"{PREFIX}rc"
@@ -27,6 +27,37 @@ RC = f"{PREFIX}rc"
 def _keys(plan: Plan) -> list[str]:
     """The state's group-key columns."""
     return [f"{PREFIX}k{i}" for i in range(len(plan.keys))]
+
+
+def stored_as(plan: Plan, types: dict) -> dict[str, str]:
+    """Hidden state columns a visible column keeps (hidden -> visible): the
+    first visible column that is a group key as written (``__ivm_k<i>``),
+    ``COUNT(*)`` (``__ivm_count``), ``COUNT(x)`` (its ``nn``) or ``SUM(x)`` of
+    the sum's own type (its ``sum``) holds that hidden column's value in every
+    state row, so the state keeps it once (DESIGN.md §2): a state about the
+    size of the model's table. ``types``: the state's (the visible columns'
+    and the sums', Watermark.typed); a SUM whose visible type differs from
+    its sum's keeps both."""
+    by_call = {a.call.sql(DIALECT): a for a in plan.aggregates}
+    out: dict[str, str] = {}
+    for name, expr in zip(plan.columns, plan.outputs):
+        hidden = next((f"{PREFIX}k{i}" for i, key in enumerate(plan.keys) if expr == key), None)
+        a = by_call.get(expr.sql(DIALECT)) if isinstance(expr, exp.AggFunc) else None
+        if a is not None and a.func == "count_star":
+            hidden = COUNT
+        elif a is not None and a.func == "count":
+            hidden = a.col("nn")
+        elif a is not None and a.func == "sum" and _same_type(types.get(a.col("sum")), types.get(name)):
+            hidden = a.col("sum")
+        if hidden is not None and hidden not in out:
+            out[hidden] = name
+    return out
+
+
+def _same_type(a: Optional[str], b: Optional[str]) -> bool:
+    """Two Spark type names that are the same type, or one unknown."""
+    norm = [re.sub(r"\s+", "", str(t)).lower() for t in (a, b) if t]
+    return len(set(norm)) <= 1
 
 
 def _sum_if(cond: Node, value: Node) -> Node:
@@ -159,14 +190,18 @@ def exact_add(left: Node, right: Node, spark_type: Optional[str]) -> Node:
 
 def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
                averaged: bool = False) -> dict[str, Node]:
-    """Every state column after applying the change row ``s`` to the state row
-    ``t`` (``t`` None: there is no state row yet). ``guard``: there is no
+    """Every column the state keeps after applying the change row ``s`` to the
+    state row ``t`` (``t`` None: there is no state row yet): the visible ones,
+    then the hidden ones no visible one keeps (stored_as). ``guard``: there is no
     recompute; a top-k that runs out fails the statement (guarded).
     ``averaged``: ``s`` carries Spark's own AVG of each bounded AVG (a build,
     _aggregate_input). Each value is a tree of its own (copy one to use it
     twice)."""
+    stored = stored_as(plan, types)
+
     def plus(column: str) -> Node:
-        return paren(plus_cols(column, "t", "s")) if t else col(column, "s")
+        return paren(exp.Add(this=col(stored.get(column, column), t), expression=col(column, "s"))) if t \
+            else col(column, "s")
 
     out: dict[str, Node] = {}
     unguarded: dict[str, Node] = {}  # what the visible MIN/MAX read: the top-k without the guard
@@ -177,7 +212,7 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
         if a.func in ("sum", "avg", "count", "min", "max"):
             out[a.col("nn")] = plus(a.col("nn"))
         if a.func in ("sum", "avg"):
-            total = (exact_add(coalesce(col(a.col("sum"), "t"), num(0)), coalesce(col(a.col("sum"), "s"), num(0)),
+            total = (exact_add(coalesce(col(stored.get(a.col("sum"), a.col("sum")), t), num(0)), coalesce(col(a.col("sum"), "s"), num(0)),
                                types.get(a.col("sum"))) if t else col(a.col("sum"), "s"))
             out[a.col("sum")] = case(exp.EQ(this=out[a.col("nn")].copy(), expression=num(0)), exp.Null(), total)
         if a.func in ("min", "max"):
@@ -193,7 +228,7 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
     for name, expr in zip(plan.columns, plan.outputs):
         value = _finalize(plan, expr, {**out, **unguarded, **averages}, types)
         visible[name] = _cast(value, types.get(name))
-    return {**visible, **out}
+    return {**visible, **{k: v for k, v in out.items() if k not in stored}}
 
 
 def _cast(value: Node, spark_type: Optional[str]) -> Node:
@@ -304,8 +339,10 @@ def recompute_groups(plan: Plan, state: str, window: Window, types: dict,
         return None
     lost = or_(exp.GT(this=col(m.col("rm")), expression=num(0)) for m in minmax(plan))
     losing = select(exp.Star()).from_(aliased(change, f"{PREFIX}c")).where(lost)
-    out = (select(*col_list(plan.key_columns, "t"), as_(exp.true(), RC)).from_(state_ref(state, "t"))
-           .join(aliased(losing, "a"), on=nullsafe_on(plan.key_columns, "t", "a"))
+    stored = stored_as(plan, types)
+    keys = [as_(col(stored.get(k, k), "t"), k) if k in stored else col(k, "t") for k in plan.key_columns]
+    out = (select(*keys, as_(exp.true(), RC)).from_(state_ref(state, "t"))
+           .join(aliased(losing, "a"), on=_on_keys(plan.key_columns, stored, "t", "a"))
            .where(runs_out(plan, "t", "a")))
     if window.broadcast:
         out.set("hint", hint("BROADCAST", "a"))
@@ -324,16 +361,24 @@ def aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recompu
     if plan.has_minmax and recompute:
         source = _with_recompute(plan, source, recompute.copy(), window)
     new_t, new_s = _new_state(plan, "t", types, guard), _new_state(plan, None, types)
+    stored = stored_as(plan, types)
     whens = []
     if not plan.scalar:
-        whens.append(exp.When(matched=True, condition=exp.LTE(this=plus_cols(COUNT, "t", "s"), expression=num(0)),
+        count = exp.Add(this=col(stored.get(COUNT, COUNT), "t"), expression=col(COUNT, "s"))
+        whens.append(exp.When(matched=True, condition=exp.LTE(this=count, expression=num(0)),
                               then=exp.Var(this="DELETE")))
     sets = [exp.EQ(this=col(k), expression=v) for k, v in new_t.items() if k not in keys]
     whens.append(exp.When(matched=True, then=exp.Update(expressions=sets)))
     whens.append(exp.When(matched=False, condition=exp.GT(this=col(COUNT, "s"), expression=num(0)), then=exp.Insert(
         this=exp.Tuple(expressions=col_list(list(new_s))), expression=exp.Tuple(expressions=list(new_s.values())))))
-    return exp.Merge(this=state_ref(state, "t"), using=aliased(source, "s"), on=nullsafe_on(keys, "t", "s"),
+    return exp.Merge(this=state_ref(state, "t"), using=aliased(source, "s"), on=_on_keys(keys, stored, "t", "s"),
                      whens=exp.Whens(expressions=whens))
+
+
+def _on_keys(keys: list[str], stored: dict, t: str, other: str) -> Node:
+    """``t.key <=> other.key`` for every group key, the state's side read
+    where the state keeps it (stored_as)."""
+    return and_(exp.NullSafeEQ(this=col(stored.get(k, k), t), expression=col(k, other)) for k in keys)
 
 
 def _with_recompute(plan: Plan, source: exp.Query, groups: exp.Query, window: Window) -> exp.Select:
@@ -386,10 +431,13 @@ def aggregate_layer(plan: Plan, state: str, window: Window, types: dict) -> Opti
     partials = [COUNT] + _partials(plan)
     outputs = dict(zip(plan.columns, plan.outputs))
     keys = {k: col(k, "s") for k in _keys(plan)}
+    kept = {v: h for h, v in stored_as(plan, types).items()}
     columns = []
     for name in _new_state(plan, None, types):
         if name not in plan.columns:
             columns.append(col(name, "s"))
+        elif name in kept:  # the visible column keeps a hidden one: the layer's partial of it
+            columns.append(as_(_cast(col(kept[name], "s"), types.get(name)), name))
         elif outputs[name].find(exp.AggFunc, exp.Window):
             columns.append(as_(_cast(exp.Null(), types.get(name)), name))
         else:  # a column of the group keys alone: the layer row lands in its group's partition
@@ -402,12 +450,14 @@ def folded_aggregate(plan: Plan, state: str, types: dict, where: Optional[Node] 
     """An aggregate's layered state folded (apply.folded_state): each group's
     rows summed, groups with no rows left dropped, the visible columns
     finalised (_new_state)."""
-    keys = col_list(plan.key_columns)
-    sums = [as_(exp.Sum(this=col(c)), c) for c in [COUNT] + _partials(plan)]
+    stored = stored_as(plan, types)
+    at = {c: stored.get(c, c) for c in plan.key_columns + [COUNT] + _partials(plan)}  # where the state keeps it
+    keys = [as_(col(at[k]), k) for k in plan.key_columns]
+    sums = [as_(exp.Sum(this=col(at[c])), c) for c in [COUNT] + _partials(plan)]
     folded = select(*keys, *sums).from_(state_rows(state, where, f"{PREFIX}st"))
     if keys:
-        folded = folded.group_by(*col_list(plan.key_columns)).having(
-            exp.GT(this=exp.Sum(this=col(COUNT)), expression=num(0)))
+        folded = folded.group_by(*col_list([at[k] for k in plan.key_columns])).having(
+            exp.GT(this=exp.Sum(this=col(at[COUNT])), expression=num(0)))
     cols = _new_state(plan, None, types)
     return select(*(as_(v, k) for k, v in cols.items())).from_(aliased(folded, "s"))
 

@@ -39,8 +39,9 @@ from dbt_ivm.versions import Target
 
 # 2: MIN/MAX keep a bounded top-k per group; 3: canonical quoted table names
 # 4: AVG of a decimal divides Spark's sum type (Watermark.sums); 5: plain-row
-# states keep no row hash (__ivm_rid)
-COMPILER_VERSION = "5"
+# states keep no row hash (__ivm_rid); 6: an aggregate's state keeps a hidden
+# column a visible one holds once (aggregate_state.stored_as)
+COMPILER_VERSION = "6"
 
 BAG, DISTINCT, AGGREGATE = "bag", "distinct", "aggregate"
 

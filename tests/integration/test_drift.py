@@ -110,7 +110,7 @@ def test_column_renamed_under_column_mapping(project):
 
 
 def test_state_written_by_hand_is_rebuilt(project):
-    sql("delete from dr.m_hand__ivm_state where __ivm_k0 = 1")
+    sql("delete from dr.m_hand__ivm_state where k = 1")  # the state keeps the group key in k
     sql(f"insert into {S}.hand values (2, 1)")
     out, _ = _run(project, "hand")
     assert _exact(out, "hand") == ("FULL", "STATE_MODIFIED")

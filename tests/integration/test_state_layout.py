@@ -136,7 +136,7 @@ def test_append_layout_through_changes_and_compaction(project, monkeypatch):
     assert writes[:5] == [("WRITE", "Append"), ("WRITE", "Overwrite"), ("WRITE", "Append"),
                           ("WRITE", "Append"), ("WRITE", "Append")], writes
     # the compaction folded the layers: one row per group, none with a zero count, then one layer
-    assert sql(f"select count(*) from {OUT}.sums__ivm_state where __ivm_count = 0")[0][0] == 0
+    assert sql(f"select count(*) from {OUT}.sums__ivm_state where n = 0")[0][0] == 0  # n keeps __ivm_count
     _, wm = refresh.read_watermark(SessionExecutor(), f"{OUT}.sums__ivm_state")
     assert wm.layout == "append" and wm.layers[0] == 1 and wm.layers[2] is not None, wm.layers
     assert project.dbt("test", "--select", "sums", "total").success

@@ -109,6 +109,30 @@ def test_aggregate_plan_dedupes_identical_calls():
     assert plan.key_columns == ["__ivm_k0"]
 
 
+def test_an_aggregate_state_keeps_a_hidden_column_a_visible_one_holds_once():
+    """A group key written as a visible column, COUNT(*), COUNT(x) and SUM(x)
+    (of its sum's type) are kept in the visible column; an expression over a
+    key, an AVG, MIN/MAX and a SUM of another type keep their hidden columns."""
+    from dbt_ivm.aggregate_state import stored_as
+    from dbt_ivm.apply import state_query
+    from dbt_ivm.delta import Window
+
+    plan = build_plan("select i, i + 1 as i1, upper(cast(j as string)) as u, i as i_again, count(*) as n, "
+                      "sum(d) as s, count(d) as c, avg(d) as a, max(j) as m, sum(j) as sj "
+                      "from db.a group by i, upper(cast(j as string))", VERSIONED)
+    types = {"i": "int", "s": "double", "sj": "bigint", "__ivm_a5_sum": "decimal(20,0)"}
+    assert stored_as(plan, types) == {"__ivm_k0": "i", "__ivm_k1": "u", "__ivm_count": "n",
+                                      "__ivm_a1_sum": "s", "__ivm_a2_nn": "c"}
+    built = state_query(plan, Window(new={"db.a": 3}), types)
+    assert list(built.named_selects) == [
+        "i", "i1", "u", "i_again", "n", "s", "c", "a", "m", "sj",
+        "__ivm_a1_nn", "__ivm_a3_nn", "__ivm_a3_sum", "__ivm_a4_nn", "__ivm_a4_top", "__ivm_a5_nn", "__ivm_a5_sum"]
+    # the visible columns are computed as before: n is COUNT(*), s the sum NULL where no value is
+    sql = render(built)
+    assert "(`s`.`__ivm_count`) AS `n`" in sql and "(`s`.`__ivm_k0`) AS `i_again`" in sql, sql
+    assert "CASE WHEN `s`.`__ivm_a1_nn` = 0 THEN NULL ELSE `s`.`__ivm_a1_sum` END" in sql, sql
+
+
 def _minmax_plan():
     cat = Catalog({"db.a": Source("db.a", (("i", "int"), ("j", "int"), ("d", "double")), kind="delta",
                                   version=3, cdf=True)})
@@ -133,7 +157,11 @@ def test_minmax_probe_and_merge_without_recompute_read_no_snapshot():
     # the probe and the plain MERGE read the change and the state, never a snapshot
     assert "VERSION AS OF" not in probe and "VERSION AS OF" not in merge
     assert "TABLE_CHANGES" in probe.upper() and "`__ivm_a1_rm` > 0" in probe
-    assert probe.startswith("SELECT /*+ BROADCAST(`a`) */ `t`.`__ivm_k0`, TRUE AS `__ivm_rc` FROM")
+    # the state keeps the group key in the visible column i (stored_as)
+    assert probe.startswith("SELECT /*+ BROADCAST(`a`) */ `t`.`i` AS `__ivm_k0`, TRUE AS `__ivm_rc` FROM")
+    assert "ON `t`.`i` IS NOT DISTINCT FROM `s`.`__ivm_k0`" in merge, merge
+    assert "WHEN MATCHED AND `t`.`n` + `s`.`__ivm_count` <= 0 THEN DELETE" in merge, merge
+    assert "INSERT (`i`, `mn`, `mx`, `n`, `__ivm_a0_nn`, `__ivm_a0_top`, `__ivm_a1_nn`, `__ivm_a1_top`)" in merge
     # without a recompute a run-out top-k fails the MERGE (nothing written); with one it cannot
     from dbt_ivm.topk import RAN_OUT
     assert merge.count(f"RAISE_ERROR('{RAN_OUT}')") == 2 and RAN_OUT not in full
@@ -172,12 +200,17 @@ def test_append_layout_statements():
         sqlglot.parse_one(statement, read="spark")  # well-formed
     # the layer: the change only (no state read, no snapshot), the visible key column from the group key
     # (a partitioned state keeps a layer row in its group's partition), the aggregates NULL, zero changes dropped
-    assert insert.startswith("INSERT INTO `db`.`s` SELECT CAST((`s`.`__ivm_k0`) AS INT) AS `i`, "
-                             "CAST(NULL AS BIGINT) AS `n`, CAST(NULL AS DOUBLE) AS `s`")
+    # (n and s keep the state's __ivm_count and s's sum: a layer row carries its partials there)
+    assert insert.startswith("INSERT INTO `db`.`s` SELECT CAST(`s`.`__ivm_k0` AS INT) AS `i`, "
+                             "CAST(`s`.`__ivm_count` AS BIGINT) AS `n`, CAST(`s`.`__ivm_a1_sum` AS DOUBLE) AS `s`, "
+                             "CAST(NULL AS DOUBLE) AS `a`, CAST(NULL AS DOUBLE) AS `r`, `s`.`__ivm_a1_nn`, "
+                             "`s`.`__ivm_a2_nn`, `s`.`__ivm_a2_sum`, `s`.`__ivm_a3_nn` FROM"), insert
     assert "VERSION AS OF" not in insert and "`db`.`s`" not in insert.split(" SELECT ", 1)[1]
     assert "COALESCE(`s`.`__ivm_count`, 0) <> 0 OR" in insert
     # the fold: every layer summed per group, vanished groups dropped
-    assert "GROUP BY `__ivm_k0` HAVING SUM(`__ivm_count`) > 0" in folded
+    assert "GROUP BY `i` HAVING SUM(`n`) > 0" in folded, folded
+    assert "SELECT `i` AS `__ivm_k0`, SUM(`n`) AS `__ivm_count`, SUM(`__ivm_a1_nn`) AS `__ivm_a1_nn`, " \
+           "SUM(`s`) AS `__ivm_a1_sum`" in folded, folded
     assert append_statement(plan, "db.s", Window(old={"db.a": 3}, new={"db.a": 3}), types) is None
     # a scalar aggregate is one row even when its input is empty: no HAVING
     scalar = build_plan("select count(*) as n, sum(d) as s from db.a", cat)
@@ -189,8 +222,8 @@ def test_append_layout_statements():
     layer = render(append_statement(mixed, "db.s", Window(old={"db.a": 2}, new={"db.a": 3}),
                                     {"i1": "int", "j": "int", "ni": "bigint"}))
     sqlglot.parse_one(layer, read="spark")
-    assert layer.startswith("INSERT INTO `db`.`s` SELECT CAST((`s`.`__ivm_k0`) AS INT) AS `i1`, "
-                            "CAST((`s`.`__ivm_k1`) AS INT) AS `j`, CAST(NULL AS BIGINT) AS `ni`")
+    assert layer.startswith("INSERT INTO `db`.`s` SELECT CAST(`s`.`__ivm_k0` AS INT) AS `i1`, "
+                            "CAST(`s`.`__ivm_k1` AS INT) AS `j`, CAST(NULL AS BIGINT) AS `ni`, `s`.`__ivm_k2`, "), layer
     # a compaction of some partitions reads only their rows
     assert "FROM (SELECT * FROM `db`.`s` WHERE `i` = 1) AS `__ivm_st` GROUP BY" in render(folded_state(
         plan, "db.s", types, sqlglot.parse_one("`i` = 1", read="spark")))
@@ -319,11 +352,12 @@ def test_a_wide_decimal_sum_is_never_multiplied_by_its_weight_nor_added_in_one_s
     assert "* `__ivm_w" not in change.replace("`__ivm_x2` * `__ivm_w1`", ""), change
     assert "SUM(CASE WHEN `__ivm_w1` > 0 THEN `__ivm_x0` ELSE -`__ivm_x0` END) AS `__ivm_a0_sum`" in change, change
     merge = render(merge_statement(plan, "db.s", window, types))
-    assert "CAST(COALESCE(`t`.`__ivm_a0_sum`, 0) AS DECIMAL(37, 18)) + CAST(COALESCE(`s`.`__ivm_a0_sum`, 0) AS " \
-           "DECIMAL(37, 18))" in merge, merge
+    assert "CAST(COALESCE(`t`.`sx`, 0) AS DECIMAL(37, 18)) + CAST(COALESCE(`s`.`__ivm_a0_sum`, 0) AS " \
+           "DECIMAL(37, 18))" in merge, merge  # the state keeps SUM(x)'s sum in sx (stored_as)
     assert merge.count(DECIMAL_RANGE) >= 3, merge  # two sums, one AVG quotient
     assert "CAST(" in merge and "AS DECIMAL(34, 18)) / CAST(" in merge, merge
-    assert "COALESCE(`t`.`__ivm_a2_sum`, 0) + COALESCE(`s`.`__ivm_a2_sum`, 0)" in merge, merge
+    assert "COALESCE(`t`.`sy`, 0) + COALESCE(`s`.`__ivm_a2_sum`, 0)" in merge, merge
+    assert "COALESCE(`t`.`__ivm_a1_sum`, 0) AS DECIMAL(37, 18))" in merge, merge  # AVG's sum: hidden
     narrow = render(group_changes(plan, window, {"__ivm_a2_sum": "decimal(22,2)"}))
     assert "EXPLODE" not in narrow and "SUM(`__ivm_x2` * `__ivm_w`)" in narrow, narrow
 
