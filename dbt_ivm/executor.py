@@ -65,6 +65,11 @@ class Executor(ABC):
         counted by a query (partition.count_partitions)."""
         return None
 
+    def tables_present(self, tables: list[str]) -> Optional[set]:
+        """Which of ``tables`` (canonical names) exist, asked of the catalog
+        directly; None: a SHOW TABLES finds them (facts.relations_present)."""
+        return None
+
     def list_files(self, location: str) -> Optional[list]:
         """The data files under a table's location; None: read from the
         table's metadata columns (facts.file_listing)."""

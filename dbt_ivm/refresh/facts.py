@@ -274,12 +274,16 @@ def commit_partitions(lines: list[str], partitions: tuple) -> Optional[list]:
 
 
 def relations_present(ex: Executor, tables: list[str]) -> set[str]:
-    """Which of ``tables`` (canonical names in one schema) exist: one SHOW
+    """Which of ``tables`` (canonical names in one schema) exist: asked of the
+    catalog where the executor can (Executor.tables_present), else one SHOW
     TABLES, filtered by a LIKE pattern when every name is plain (the pattern
     treats ``*`` and ``|`` as wildcards)."""
     ns = namespace(tables[0])
     if not ns:
         return set()
+    asked = ex.tables_present(tables)
+    if asked is not None:
+        return asked
     last = {t: parts(t)[-1] for t in tables}
     pattern = "|".join(sorted(set(last.values())))
     plain = all(n.replace("_", "").isalnum() and n.isascii() for n in last.values())

@@ -50,6 +50,21 @@ def _delta_log(session, table: str):
     return jvm, jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, ident)
 
 
+def tables_present(session, tables: list[str]) -> Optional[set]:
+    """Which of ``tables`` exist, asked of the session catalog (no statement:
+    a SHOW TABLES costs 0.05-0.07 s of a refresh's fixed cost at 1 M rows);
+    None where a name is not one of the session catalog's."""
+    names = {t: _parts(t) for t in tables}
+    if any(not n or len(n) not in (2, 3) or (len(n) == 3 and n[0] != "spark_catalog") for n in names.values()):
+        return None
+    try:
+        jvm, catalog = session._jvm, session._jsparkSession.sessionState().catalog()
+        ident = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply
+        return {t for t, n in names.items() if catalog.tableExists(ident(n[-1], jvm.scala.Option.apply(n[-2])))}
+    except Exception:  # noqa: BLE001 - any failure here: the statement answers instead
+        return None
+
+
 def _snapshot(session, table: str):
     """(jvm, DeltaLog, its current Snapshot) of a Delta table, or None."""
     found = _delta_log(session, table)

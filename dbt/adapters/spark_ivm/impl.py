@@ -125,6 +125,13 @@ class _Executor(Executor):
         self.timings.append((round(time.time() - start, 3), f"(delta log) partitions {table}"))
         return count
 
+    def tables_present(self, tables: list[str]) -> Optional[set]:
+        """Which of ``tables`` exist, from the embedded session's catalog
+        (delta_log.tables_present); None where SHOW TABLES answers."""
+        from dbt.adapters.spark_ivm.delta_log import tables_present
+
+        return self._from_log(lambda s: tables_present(s, tables), lambda found: f"exists {', '.join(tables)}")
+
     def list_files(self, location: str) -> Optional[list]:
         """A non-Delta table's files listed through the session's file system."""
         session = self._session()
