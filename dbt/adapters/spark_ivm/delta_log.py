@@ -51,18 +51,26 @@ def _delta_log(session, table: str):
 
 
 def tables_present(session, tables: list[str]) -> Optional[set]:
-    """Which of ``tables`` exist, asked of the session catalog (no statement:
-    a SHOW TABLES costs 0.05-0.07 s of a refresh's fixed cost at 1 M rows);
-    None where a name is not one of the session catalog's."""
+    """Which of ``tables`` (all in one schema) exist, listed by the session
+    catalog: one metastore call, ~3 ms, where a SHOW TABLES took ~50 ms of a
+    refresh's fixed cost at 1 M rows (and a tableExists ~10 ms a name). The
+    pattern treats ``*`` and ``|`` as wildcards: names of other characters list
+    the whole schema. None where a name is not one of the session catalog's,
+    the schema is missing or anything fails: SHOW TABLES answers then."""
     names = {t: _parts(t) for t in tables}
     if any(not n or len(n) not in (2, 3) or (len(n) == 3 and n[0] != "spark_catalog") for n in names.values()):
         return None
+    if len({tuple(n[:-1]) for n in names.values()}) != 1:
+        return None
+    last = {t: n[-1] for t, n in names.items()}
+    plain = all(x.replace("_", "").isalnum() and x.isascii() for x in last.values())
+    pattern = "|".join(sorted(set(last.values()))) if plain else "*"
     try:
-        jvm, catalog = session._jvm, session._jsparkSession.sessionState().catalog()
-        ident = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply
-        return {t for t, n in names.items() if catalog.tableExists(ident(n[-1], jvm.scala.Option.apply(n[-2])))}
+        listed = session._jsparkSession.sessionState().catalog().listTables(names[tables[0]][-2], pattern, False)
+        found = {str(listed.apply(i).table()).lower() for i in range(listed.size())}
     except Exception:  # noqa: BLE001 - any failure here: the statement answers instead
         return None
+    return {t for t in tables if last[t].lower() in found}
 
 
 def _snapshot(session, table: str):
