@@ -15,10 +15,10 @@ from sqlglot import exp
 from dbt_ivm.delta import NEW, W, Window, delta, snapshot
 from dbt_ivm.names import DIALECT, PREFIX
 from dbt_ivm.plan import AGGREGATE, Plan
-from dbt_ivm.sqltree import (aliased, and_, call, case, cast, coalesce, col, cte, hint, lateral_view, named,
+from dbt_ivm.sqltree import (aliased, call, case, cast, coalesce, col, cte, hint, lateral_view, named,
                              nullsafe_on, num, or_, paren, select, string)
 from dbt_ivm.sqltree import alias as as_
-from dbt_ivm.state_rows import COUNT, Node, col_list, state_ref, state_rows, unit_weights
+from dbt_ivm.state_rows import COUNT, Node, col_list, plus_cols, state_ref, state_rows, unit_weights
 from dbt_ivm.topk import guarded, merged_top, minmax, runs_out, top_k, top_one
 
 RC = f"{PREFIX}rc"
@@ -30,14 +30,15 @@ def _keys(plan: Plan) -> list[str]:
 
 
 def stored_as(plan: Plan, types: dict) -> dict[str, str]:
-    """Hidden state columns a visible column keeps (hidden -> visible): the
-    first visible column that is a group key as written (``__ivm_k<i>``),
-    ``COUNT(*)`` (``__ivm_count``), ``COUNT(x)`` (its ``nn``) or ``SUM(x)`` of
-    the sum's own type (its ``sum``) holds that hidden column's value in every
-    state row, so the state keeps it once (DESIGN.md §2): a state about the
-    size of the model's table. ``types``: the state's (the visible columns'
-    and the sums', Watermark.typed); a SUM whose visible type differs from
-    its sum's keeps both."""
+    """Hidden state columns the state keeps in another column (hidden -> that
+    column), because that column holds the same value in every state row
+    (DESIGN.md §2): the first visible column that is a group key as written
+    (``__ivm_k<i>``), ``COUNT(*)`` (``__ivm_count``), ``COUNT(x)`` (its ``nn``)
+    or ``SUM(x)`` of the sum's own type (its ``sum``); and the non-null count
+    of every aggregate of one argument (``SUM(x)``, ``MIN(x)``, ``AVG(x)``...),
+    kept once, in a visible ``COUNT(x)`` where there is one. ``types``: the
+    state's (the visible columns' and the sums', Watermark.typed); a SUM whose
+    visible type differs from its sum's keeps both."""
     by_call = {a.call.sql(DIALECT): a for a in plan.aggregates}
     out: dict[str, str] = {}
     for name, expr in zip(plan.columns, plan.outputs):
@@ -51,7 +52,47 @@ def stored_as(plan: Plan, types: dict) -> dict[str, str]:
             hidden = a.col("sum")
         if hidden is not None and hidden not in out:
             out[hidden] = name
+    counts: dict[str, list[str]] = {}  # argument -> the non-null counts of its aggregates
+    for a in plan.aggregates:
+        if a.func != "count_star":
+            counts.setdefault(a.call.this.sql(DIALECT), []).append(a.col("nn"))
+    for nns in counts.values():
+        home = next((out[n] for n in nns if n in out), nns[0])
+        out.update({n: home for n in nns if n != home})
     return out
+
+
+def thin_tops(plan: Plan, types: dict) -> dict[str, str]:
+    """MIN/MAX top-k columns a whole build leaves NULL (hidden top -> the
+    visible ``MIN(x)``/``MAX(x)`` column): its top-1 prefix (topk.top_one) is
+    that column's value as an array, [] where it is NULL, so the state keeps
+    it once; a MERGE writes the group's merged top-k. Only where the visible
+    column's type is known and simple (the NULL is cast to an array of it)."""
+    by_call = {a.call.sql(DIALECT): a for a in plan.aggregates}
+    out: dict[str, str] = {}
+    for name, expr in zip(plan.columns, plan.outputs):
+        a = by_call.get(expr.sql(DIALECT)) if isinstance(expr, exp.AggFunc) else None
+        simple = _SIMPLE_TYPE.fullmatch(str(types.get(name) or "").strip())
+        if a is not None and a.func in ("min", "max") and simple and a.col("top") not in out:
+            out[a.col("top")] = name
+    return out
+
+
+def _on_state(node: Node, plan: Plan, types: dict, t: str = "t") -> Node:
+    """``node`` (built from state and change columns, never a model's query:
+    a user's table may be aliased ``t``) reading each column of the state row
+    ``t`` where the state keeps it: stored_as's column, a thin top from its
+    visible column (thin_tops)."""
+    stored, tops = stored_as(plan, types), thin_tops(plan, types)
+
+    def repl(n: exp.Expression) -> exp.Expression:
+        if isinstance(n, exp.Column) and n.table == t and n.name in stored:
+            return col(stored[n.name], t)
+        if isinstance(n, exp.Column) and n.table == t and n.name in tops:
+            return coalesce(col(n.name, t), call("array_compact", call("array", col(tops[n.name], t))))
+        return n
+
+    return node.transform(repl)
 
 
 def _same_type(a: Optional[str], b: Optional[str]) -> bool:
@@ -189,19 +230,17 @@ def exact_add(left: Node, right: Node, spark_type: Optional[str]) -> Node:
 
 
 def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
-               averaged: bool = False) -> dict[str, Node]:
+               averaged: bool = False, thin: bool = False) -> dict[str, Node]:
     """Every column the state keeps after applying the change row ``s`` to the
     state row ``t`` (``t`` None: there is no state row yet): the visible ones,
     then the hidden ones no visible one keeps (stored_as). ``guard``: there is no
     recompute; a top-k that runs out fails the statement (guarded).
     ``averaged``: ``s`` carries Spark's own AVG of each bounded AVG (a build,
-    _aggregate_input). Each value is a tree of its own (copy one to use it
+    _aggregate_input). ``thin``: ``s`` is a unit build's (the top-k columns
+    thin_tops names are left NULL). Each value is a tree of its own (copy one to use it
     twice)."""
-    stored = stored_as(plan, types)
-
     def plus(column: str) -> Node:
-        return paren(exp.Add(this=col(stored.get(column, column), t), expression=col(column, "s"))) if t \
-            else col(column, "s")
+        return paren(plus_cols(column, "t", "s")) if t else col(column, "s")
 
     out: dict[str, Node] = {}
     unguarded: dict[str, Node] = {}  # what the visible MIN/MAX read: the top-k without the guard
@@ -212,7 +251,7 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
         if a.func in ("sum", "avg", "count", "min", "max"):
             out[a.col("nn")] = plus(a.col("nn"))
         if a.func in ("sum", "avg"):
-            total = (exact_add(coalesce(col(stored.get(a.col("sum"), a.col("sum")), t), num(0)), coalesce(col(a.col("sum"), "s"), num(0)),
+            total = (exact_add(coalesce(col(a.col("sum"), "t"), num(0)), coalesce(col(a.col("sum"), "s"), num(0)),
                                types.get(a.col("sum"))) if t else col(a.col("sum"), "s"))
             out[a.col("sum")] = case(exp.EQ(this=out[a.col("nn")].copy(), expression=num(0)), exp.Null(), total)
         if a.func in ("min", "max"):
@@ -228,7 +267,12 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
     for name, expr in zip(plan.columns, plan.outputs):
         value = _finalize(plan, expr, {**out, **unguarded, **averages}, types)
         visible[name] = _cast(value, types.get(name))
-    return {**visible, **{k: v for k, v in out.items() if k not in stored}}
+    stored = stored_as(plan, types)
+    row = {**visible, **{k: v for k, v in out.items() if k not in stored}}
+    if thin:  # a unit build's top-1 prefixes: the visible MIN/MAX hold them
+        for top, name in thin_tops(plan, types).items():
+            row[top] = cast(exp.Null(), f"array<{types[name].strip()}>")
+    return {k: _on_state(v, plan, types) for k, v in row.items()} if t else row
 
 
 def _cast(value: Node, spark_type: Optional[str]) -> Node:
@@ -306,9 +350,10 @@ def _range_error(t: tuple[int, int], digits: int) -> Node:
 
 def aggregate_full_state(plan: Plan, window: Window, types: dict) -> exp.Select:
     rel = snapshot(plan.input, window, NEW)
-    cols = _new_state(plan, None, types, averaged=True)
+    unit = unit_weights(plan)
+    cols = _new_state(plan, None, types, averaged=True, thin=unit)
     return (select(*(as_(v, k) for k, v in cols.items()))
-            .from_(aliased(_aggregate_input(plan, rel, types, unit_weights(plan), build=True), "s")))
+            .from_(aliased(_aggregate_input(plan, rel, types, unit, build=True), "s")))
 
 
 def group_changes(plan: Plan, window: Window, types: dict) -> Optional[exp.Select]:
@@ -339,11 +384,10 @@ def recompute_groups(plan: Plan, state: str, window: Window, types: dict,
         return None
     lost = or_(exp.GT(this=col(m.col("rm")), expression=num(0)) for m in minmax(plan))
     losing = select(exp.Star()).from_(aliased(change, f"{PREFIX}c")).where(lost)
-    stored = stored_as(plan, types)
-    keys = [as_(col(stored.get(k, k), "t"), k) if k in stored else col(k, "t") for k in plan.key_columns]
+    keys = [as_(_on_state(col(k, "t"), plan, types), k) for k in plan.key_columns]
     out = (select(*keys, as_(exp.true(), RC)).from_(state_ref(state, "t"))
-           .join(aliased(losing, "a"), on=_on_keys(plan.key_columns, stored, "t", "a"))
-           .where(runs_out(plan, "t", "a")))
+           .join(aliased(losing, "a"), on=_on_state(nullsafe_on(plan.key_columns, "t", "a"), plan, types))
+           .where(_on_state(runs_out(plan, "t", "a"), plan, types)))
     if window.broadcast:
         out.set("hint", hint("BROADCAST", "a"))
     return out
@@ -361,24 +405,16 @@ def aggregate_merge(plan: Plan, state: str, window: Window, types: dict, recompu
     if plan.has_minmax and recompute:
         source = _with_recompute(plan, source, recompute.copy(), window)
     new_t, new_s = _new_state(plan, "t", types, guard), _new_state(plan, None, types)
-    stored = stored_as(plan, types)
     whens = []
     if not plan.scalar:
-        count = exp.Add(this=col(stored.get(COUNT, COUNT), "t"), expression=col(COUNT, "s"))
-        whens.append(exp.When(matched=True, condition=exp.LTE(this=count, expression=num(0)),
-                              then=exp.Var(this="DELETE")))
+        gone = exp.LTE(this=plus_cols(COUNT, "t", "s"), expression=num(0))
+        whens.append(exp.When(matched=True, condition=_on_state(gone, plan, types), then=exp.Var(this="DELETE")))
     sets = [exp.EQ(this=col(k), expression=v) for k, v in new_t.items() if k not in keys]
     whens.append(exp.When(matched=True, then=exp.Update(expressions=sets)))
     whens.append(exp.When(matched=False, condition=exp.GT(this=col(COUNT, "s"), expression=num(0)), then=exp.Insert(
         this=exp.Tuple(expressions=col_list(list(new_s))), expression=exp.Tuple(expressions=list(new_s.values())))))
-    return exp.Merge(this=state_ref(state, "t"), using=aliased(source, "s"), on=_on_keys(keys, stored, "t", "s"),
-                     whens=exp.Whens(expressions=whens))
-
-
-def _on_keys(keys: list[str], stored: dict, t: str, other: str) -> Node:
-    """``t.key <=> other.key`` for every group key, the state's side read
-    where the state keeps it (stored_as)."""
-    return and_(exp.NullSafeEQ(this=col(stored.get(k, k), t), expression=col(k, other)) for k in keys)
+    return exp.Merge(this=state_ref(state, "t"), using=aliased(source, "s"),
+                     on=_on_state(nullsafe_on(keys, "t", "s"), plan, types), whens=exp.Whens(expressions=whens))
 
 
 def _with_recompute(plan: Plan, source: exp.Query, groups: exp.Query, window: Window) -> exp.Select:

@@ -46,13 +46,22 @@ def _refresh(project) -> dict:
 
 
 def _tops() -> dict:
-    return {r[0]: (len(r[1]), r[2]) for r in sql(f"select g, __ivm_a0_top, __ivm_a0_nn from {OUT}.mm__ivm_state")}
+    """Each group's kept prefix of min(v) (a build leaves it NULL: mn holds it)
+    and its count of non-null v."""
+    return {r[0]: (len(r[1]), r[2]) for r in sql(
+        f"select g, coalesce(__ivm_a0_top, array_compact(array(mn))), __ivm_a0_nn from {OUT}.mm__ivm_state")}
 
 
 def test_a_build_keeps_the_extremes_alone_and_a_refresh_deepens_the_groups_that_lose_them(project):
     # a whole build keeps each group's extreme alone (a native MIN/MAX, as
     # cheap as the plain aggregate): a prefix of one, with duplicates too ('b')
     assert _tops()["a"] == (1, N) and _tops()["b"] == (1, 2 * N)
+    # ... in the visible MIN/MAX columns: the top-k columns are NULL; v's counts are kept once, d's once
+    kept = sql(f"select count(__ivm_a0_top), count(__ivm_a1_top), count(__ivm_a2_top), count(__ivm_a3_top), "
+               f"count(*) from {OUT}.mm__ivm_state")[0]
+    assert tuple(kept) == (0, 0, 0, 0, 2), kept
+    columns = [r.col_name for r in sql(f"describe table {OUT}.mm__ivm_state")]
+    assert [c for c in columns if c.endswith("_nn")] == ["__ivm_a0_nn", "__ivm_a2_nn"], columns
     sql(f"delete from {SRC}.t where g = 'a' and v in (1, {N})")  # a's min and max go
     r = _refresh(project)
     # the build was thin, so this refresh probed first (no failed MERGE):

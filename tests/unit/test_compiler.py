@@ -111,26 +111,36 @@ def test_aggregate_plan_dedupes_identical_calls():
 
 def test_an_aggregate_state_keeps_a_hidden_column_a_visible_one_holds_once():
     """A group key written as a visible column, COUNT(*), COUNT(x) and SUM(x)
-    (of its sum's type) are kept in the visible column; an expression over a
-    key, an AVG, MIN/MAX and a SUM of another type keep their hidden columns."""
-    from dbt_ivm.aggregate_state import stored_as
-    from dbt_ivm.apply import state_query
+    (of its sum's type) are kept in the visible column, the non-null counts of
+    one argument once; an expression over a key, an AVG's sum and a SUM of
+    another type keep their hidden columns. A whole build leaves a MIN/MAX's
+    top-1 NULL: its visible column holds it, and a MERGE reads it from there."""
+    from dbt_ivm.aggregate_state import stored_as, thin_tops
+    from dbt_ivm.apply import merge_statement, state_query
     from dbt_ivm.delta import Window
 
     plan = build_plan("select i, i + 1 as i1, upper(cast(j as string)) as u, i as i_again, count(*) as n, "
                       "sum(d) as s, count(d) as c, avg(d) as a, max(j) as m, sum(j) as sj "
                       "from db.a group by i, upper(cast(j as string))", VERSIONED)
-    types = {"i": "int", "s": "double", "sj": "bigint", "__ivm_a5_sum": "decimal(20,0)"}
-    assert stored_as(plan, types) == {"__ivm_k0": "i", "__ivm_k1": "u", "__ivm_count": "n",
-                                      "__ivm_a1_sum": "s", "__ivm_a2_nn": "c"}
+    types = {"i": "int", "s": "double", "m": "int", "sj": "bigint", "__ivm_a5_sum": "decimal(20,0)"}
+    assert stored_as(plan, types) == {"__ivm_k0": "i", "__ivm_k1": "u", "__ivm_count": "n", "__ivm_a1_sum": "s",
+                                      "__ivm_a2_nn": "c", "__ivm_a1_nn": "c", "__ivm_a3_nn": "c",
+                                      "__ivm_a5_nn": "__ivm_a4_nn"}
+    assert thin_tops(plan, types) == {"__ivm_a4_top": "m"} and thin_tops(plan, {}) == {}
     built = state_query(plan, Window(new={"db.a": 3}), types)
-    assert list(built.named_selects) == [
-        "i", "i1", "u", "i_again", "n", "s", "c", "a", "m", "sj",
-        "__ivm_a1_nn", "__ivm_a3_nn", "__ivm_a3_sum", "__ivm_a4_nn", "__ivm_a4_top", "__ivm_a5_nn", "__ivm_a5_sum"]
+    assert list(built.named_selects) == ["i", "i1", "u", "i_again", "n", "s", "c", "a", "m", "sj",
+                                         "__ivm_a3_sum", "__ivm_a4_nn", "__ivm_a4_top", "__ivm_a5_sum"]
     # the visible columns are computed as before: n is COUNT(*), s the sum NULL where no value is
     sql = render(built)
     assert "(`s`.`__ivm_count`) AS `n`" in sql and "(`s`.`__ivm_k0`) AS `i_again`" in sql, sql
     assert "CASE WHEN `s`.`__ivm_a1_nn` = 0 THEN NULL ELSE `s`.`__ivm_a1_sum` END" in sql, sql
+    assert "CAST(NULL AS ARRAY<INT>) AS `__ivm_a4_top`" in sql and "(TRY_ELEMENT_AT(`s`.`__ivm_a4_ins`, 1))" in sql
+    merge = render(merge_statement(plan, "db.s", Window(old={"db.a": 2}, new={"db.a": 3}), types))
+    sqlglot.parse_one(merge, read="spark")
+    assert "COALESCE(`t`.`__ivm_a4_top`, ARRAY_COMPACT(ARRAY(`t`.`m`)))" in merge, merge
+    assert "`__ivm_a5_sum` = CASE WHEN (`t`.`__ivm_a4_nn` + `s`.`__ivm_a5_nn`) = 0" in merge, merge
+    assert "`c` = ((`t`.`c` + `s`.`__ivm_a2_nn`))" in merge and "WHEN (`t`.`c` + `s`.`__ivm_a1_nn`) = 0" in merge, merge
+    assert "`t`.`__ivm_a" + "1_nn`" not in merge and "`t`.`__ivm_count`" not in merge, merge
 
 
 def _minmax_plan():
@@ -204,7 +214,7 @@ def test_append_layout_statements():
     assert insert.startswith("INSERT INTO `db`.`s` SELECT CAST(`s`.`__ivm_k0` AS INT) AS `i`, "
                              "CAST(`s`.`__ivm_count` AS BIGINT) AS `n`, CAST(`s`.`__ivm_a1_sum` AS DOUBLE) AS `s`, "
                              "CAST(NULL AS DOUBLE) AS `a`, CAST(NULL AS DOUBLE) AS `r`, `s`.`__ivm_a1_nn`, "
-                             "`s`.`__ivm_a2_nn`, `s`.`__ivm_a2_sum`, `s`.`__ivm_a3_nn` FROM"), insert
+                             "`s`.`__ivm_a2_nn`, `s`.`__ivm_a2_sum` FROM"), insert  # one non-null count of j
     assert "VERSION AS OF" not in insert and "`db`.`s`" not in insert.split(" SELECT ", 1)[1]
     assert "COALESCE(`s`.`__ivm_count`, 0) <> 0 OR" in insert
     # the fold: every layer summed per group, vanished groups dropped

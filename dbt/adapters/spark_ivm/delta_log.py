@@ -47,7 +47,8 @@ def _delta_log(session, table: str):
     meta = js.sessionState().catalog().getTableMetadata(ident)
     if str(meta.provider().getOrElse(None) or "").lower() != "delta":
         return None
-    return jvm, jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, ident)
+    # from the metadata read above: forTable(ident) would read it again (~10 ms)
+    return jvm, jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, meta)
 
 
 def tables_present(session, tables: list[str]) -> Optional[set]:
