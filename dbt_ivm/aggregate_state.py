@@ -237,8 +237,8 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
     recompute; a top-k that runs out fails the statement (guarded).
     ``averaged``: ``s`` carries Spark's own AVG of each bounded AVG (a build,
     _aggregate_input). ``thin``: ``s`` is a unit build's (the top-k columns
-    thin_tops names are left NULL). Each value is a tree of its own (copy one to use it
-    twice)."""
+    thin_tops names are left NULL). Each value is a tree of its own (copy one
+    to use it twice)."""
     def plus(column: str) -> Node:
         return paren(plus_cols(column, "t", "s")) if t else col(column, "s")
 
