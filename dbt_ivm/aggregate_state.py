@@ -78,12 +78,12 @@ def thin_tops(plan: Plan, types: dict) -> dict[str, str]:
     return out
 
 
-def _on_state(node: Node, plan: Plan, types: dict, t: str = "t") -> Node:
+def _on_state(node: Node, plan: Plan, types: dict, t: str = "t", maps: Optional[tuple] = None) -> Node:
     """``node`` (built from state and change columns, never a model's query:
     a user's table may be aliased ``t``) reading each column of the state row
     ``t`` where the state keeps it: stored_as's column, a thin top from its
-    visible column (thin_tops)."""
-    stored, tops = stored_as(plan, types), thin_tops(plan, types)
+    visible column (thin_tops; ``maps``: the two, computed already)."""
+    stored, tops = maps or (stored_as(plan, types), thin_tops(plan, types))
 
     def repl(n: exp.Expression) -> exp.Expression:
         if isinstance(n, exp.Column) and n.table == t and n.name in stored:
@@ -272,7 +272,8 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
     if thin:  # a unit build's top-1 prefixes: the visible MIN/MAX hold them
         for top, name in thin_tops(plan, types).items():
             row[top] = cast(exp.Null(), f"array<{types[name].strip()}>")
-    return {k: _on_state(v, plan, types) for k, v in row.items()} if t else row
+    maps = (stored, thin_tops(plan, types))
+    return {k: _on_state(v, plan, types, maps=maps) for k, v in row.items()} if t else row
 
 
 def _cast(value: Node, spark_type: Optional[str]) -> Node:
