@@ -40,7 +40,7 @@ DEFAULT_PARTITION_THRESHOLD = 0.5
 
 # ivm_deletion_vectors 'auto' switches at this state size
 # (refresh.chain.DV_AUTO_BYTES restates it for its rule).
-AUTO_BYTES = 2 << 20
+AUTO_BYTES = 64 << 20
 
 # The keys a model sets, each with the Config field it fills and what it accepts.
 KEYS = {

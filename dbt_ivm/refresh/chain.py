@@ -51,12 +51,18 @@ BAG_APPEND_AUTO_BYTES = 32 << 20
 
 
 # ivm_deletion_vectors='auto' turns them on once a commit of the state table
-# wrote this much (written_bytes; a rebuild writes all of it). A
-# MERGE into a state with deletion vectors marks the rows it replaces instead of
-# rewriting every file it touches: measured (BENCHMARKS.md) ~1 s cheaper on a
-# 2.4 MiB state, 35-50 % on 26-46 MiB states, and 0.3-1 s dearer on states of
-# 1.6 MiB and less.
-DV_AUTO_BYTES = 2 << 20
+# wrote this much (written_bytes; a rebuild writes all of it). A MERGE into a
+# state with deletion vectors marks the rows it replaces instead of rewriting
+# every file it touches, but every read of the state then pays for them: one
+# more job listing the files' vectors, and the vectors applied. Measured on
+# aggregate states (5 columns, ~5,000 changed groups spread over every file,
+# medians of 4; docs/DESIGN.md §2), MERGE without / with vectors and a full
+# read of the state without / with: 8 MiB 5.0 / 4.4 s and 1.08 / 1.42 s;
+# 33 MiB 7.2 / 5.0 s and 0.95 / 1.61 s; 104 MiB 14.7 / 9.1 s and 1.74 / 2.23 s.
+# A view is read far more often than it is refreshed: below 64 MiB the MERGE
+# gains at most ~2 s and each read loses 0.3-0.7 s, so the state stays
+# without them; above it the MERGE gains 5 s and more.
+DV_AUTO_BYTES = 64 << 20
 
 
 # Errors meaning the change feed or an old snapshot of the window is gone.

@@ -271,12 +271,13 @@ def test_invalid_deletion_vectors_value_names_the_valid_values():
 
 
 @pytest.mark.parametrize("setting,had,incremental,written,expected", [
-    ("auto", None, True, 3 << 20, True),  # a recent commit wrote 3 MiB: on
-    ("auto", None, True, 1 << 20, False),  # small: off
+    ("auto", None, True, 64 << 20, True),  # a recent commit wrote 64 MiB: on
+    ("auto", None, True, 63 << 20, False),  # smaller: off (reads would pay for them)
+    ("auto", None, True, 3 << 20, False),
     ("auto", True, True, 0, True),  # once on, they stay on
-    ("auto", None, False, 3 << 20, False),  # a rebuild keeps what the state had
+    ("auto", None, False, 64 << 20, False),  # a rebuild keeps what the state had
     ("auto", True, False, 0, True),
-    ("false", None, True, 3 << 20, False),  # told
+    ("false", None, True, 64 << 20, False),  # told
     ("true", None, True, 0, True),
 ])
 def test_auto_deletion_vectors_follow_the_state_size(setting, had, incremental, written, expected):
