@@ -267,13 +267,12 @@ def _new_state(plan: Plan, t: Optional[str], types: dict, guard: bool = False,
     for name, expr in zip(plan.columns, plan.outputs):
         value = _finalize(plan, expr, {**out, **unguarded, **averages}, types)
         visible[name] = _cast(value, types.get(name))
-    stored = stored_as(plan, types)
+    stored, tops = stored_as(plan, types), thin_tops(plan, types)
     row = {**visible, **{k: v for k, v in out.items() if k not in stored}}
     if thin:  # a unit build's top-1 prefixes: the visible MIN/MAX hold them
-        for top, name in thin_tops(plan, types).items():
+        for top, name in tops.items():
             row[top] = cast(exp.Null(), f"array<{types[name].strip()}>")
-    maps = (stored, thin_tops(plan, types))
-    return {k: _on_state(v, plan, types, maps=maps) for k, v in row.items()} if t else row
+    return {k: _on_state(v, plan, types, maps=(stored, tops)) for k, v in row.items()} if t else row
 
 
 def _cast(value: Node, spark_type: Optional[str]) -> Node:
