@@ -16,7 +16,7 @@ from dbt_ivm.aggregate_state import DECIMAL_RANGE
 from dbt_ivm.config import APPEND, MERGE, Config
 from dbt_ivm.errors import DefinitionChanged, IvmConfigError, IvmError, Reason
 from dbt_ivm.names import DIALECT
-from dbt_ivm.plan import AGGREGATE, BAG, Plan
+from dbt_ivm.plan import AGGREGATE, Plan
 from dbt_ivm.refresh.context import Choice, Facts, Settings
 from dbt_ivm.refresh.definition import FAIL_HINT, differences, in_place
 from dbt_ivm.refresh.decide import cheapest, decide, estimates, partition_floor, too_large
@@ -24,30 +24,21 @@ from dbt_ivm.refresh.values import _REBUILD_REASONS, FULL, INCREMENTAL, NOOP, PA
 from dbt_ivm.refresh.watermark import Watermark
 
 
-# What ivm_state_layout='auto' keeps an aggregate's state as: merged rows (one
-# per group), at any size. The append layout writes only the change but makes
-# every read of the model fold the layers: measured at 10 M rows, a full read
-# of a join + aggregate 5.2x the same read of a plain table under append and
-# 1.2x merged, while its MERGE refresh still cost 0.86 of the table
-# (BENCHMARKS.md). A view is read far more often than it is refreshed, so
-# reads win. (The scenario suite sets APPEND here to run every eligible model
+# What ivm_state_layout='auto' keeps a state as: merged rows (one per group,
+# or per distinct row of a model of plain rows), at any size. The append layout
+# writes only the change but makes every read of the model fold the layers.
+# Measured at 10 M rows, 0.1 %: a full read of a join + aggregate 5.2x the same
+# read of a plain table under append and 1.0-1.1x merged, while its MERGE
+# refresh cost 0.71 of the table; a join projection read 3.7x appended (its
+# refresh 0.36) and 1.0-1.2x merged, where its MERGE costs more than a
+# rebuild, so its refresh is a rebuild (about the table's cost) when a change
+# spreads over every file of the state. No lighter way to remove rows reads
+# within 1.2x (docs/DESIGN.md §2: deletion vectors 1.48x, a stored row id
+# 1.44x). A view is read far more often than it is refreshed, so reads win;
+# ivm_state_layout: append is the choice for a model refreshed more often than
+# read. (The scenario suite sets APPEND here to run every eligible model
 # through that layout.)
 AUTO_LAYOUT = MERGE
-
-
-# A model of plain rows is kept as appended layers once a commit of its state
-# wrote this much. Its MERGE matches every state row on every column, and
-# Delta's MERGE with deletion vectors passes over every file it touches three
-# times (matching, writing the changed rows, writing the vectors; a change
-# spread over the keys touches them all): at 10 M rows (a 200 MiB state) 15.7 s
-# against a 6 s table, so the cost rule rebuilds every time (1.4x the table);
-# appended, the refresh costs 0.26 of it and a read 3x (BENCHMARKS.md). At
-# 1 M rows (20 MiB) the MERGE is near a rebuild and the read wins. Those sizes
-# held a stored row hash; without it (8 bytes a row) the same states take 12
-# and 117 MiB (as much as the plain table), and the LEFT JOIN projection's
-# 10 M rows 40 MiB, which a 64 MiB threshold left merged (a 19.2 s MERGE
-# against a 7.2 s table).
-BAG_APPEND_AUTO_BYTES = 32 << 20
 
 
 # ivm_deletion_vectors='auto' turns them on once a commit of the state table
@@ -162,7 +153,7 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
     dvs = settle_dvs(config, watermark, incr)
     # A partition refresh keeps the layout it finds (a switch to append
     # re-creates the view, which only the incremental path does).
-    layout = settle_layout(config, plan, watermark, incr)
+    layout = settle_layout(config, plan, watermark)
     if decision.strategy in (INCREMENTAL, PARTITION) and watermark.layout == APPEND and layout != APPEND:
         change = (f"ivm_state_layout is {config.state_layout}, no longer append (the state is kept as appended layers)"
                   if config.state_layout != "auto" else
@@ -341,25 +332,21 @@ def check_layout(plan: Optional[Plan], config: Config, sums: Optional[dict] = No
             "exact. Use ivm_state_layout: auto or merge for this model, or cast the column to decimal(24, scale).")
 
 
-def settle_layout(config: Config, plan: Optional[Plan], old: Optional[Watermark], incr: bool) -> str:
-    """The state's layout for this refresh. merge: one row per group, updated
-    in place by a MERGE. append: each refresh appends the window's per-group
-    change as a layer of rows and the view sums a group's rows (folded_state);
-    compacted every few layers. An append writes only the change (a MERGE
-    rewrites or marks every state file the change touches), at the cost of
-    reads that aggregate. 'auto', where the plan can be layered and no
-    incremental_mv reads the model: a model of plain rows switches to append
-    once a commit of its state wrote BAG_APPEND_AUTO_BYTES (read from the
-    history, no query) and stays there; an aggregate is AUTO_LAYOUT (merge),
-    and one an earlier dbt-ivm's 'auto' left as layers is rebuilt merged at
-    its next refresh (choose: STATE_LAYOUT_CHANGED). Else merge."""
+def settle_layout(config: Config, plan: Optional[Plan], old: Optional[Watermark]) -> str:
+    """The state's layout for this refresh. merge: one row per group (or per
+    distinct row), updated in place by a MERGE. append: each refresh appends
+    the window's per-group change as a layer of rows and the view folds them
+    (folded_state, folded_bag); compacted every few layers. An append writes
+    only the change (a MERGE rewrites or marks every state file the change
+    touches), at the cost of reads that fold. 'auto' is AUTO_LAYOUT (merge);
+    a state an earlier dbt-ivm's 'auto' left as layers is rebuilt merged at
+    its next refresh (choose: STATE_LAYOUT_CHANGED). append where told and the
+    plan can be layered, with no incremental_mv reading the model."""
     want = config.state_layout
     if want != "auto":
         return want
     if not apply.append_eligible(plan) or config.mv_dependents or old is None:
         return MERGE
-    if plan.kind == BAG and (old.layout == APPEND or (incr and old.written_bytes >= BAG_APPEND_AUTO_BYTES)):
-        return APPEND
     return AUTO_LAYOUT
 
 

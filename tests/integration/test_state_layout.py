@@ -189,6 +189,14 @@ def test_append_layout_of_plain_rows(project, monkeypatch):
         history = [r.operationParameters.get("mode") for r in sql(f"describe history {OUT}.{m}__ivm_state")]
         assert history[:2] == ["Append", "Overwrite"], history
     assert sql(f"select count(*) from {OUT}.rows_append__ivm_state where __ivm_count <> 1")[0][0] == 0
+    # this dbt-ivm's auto keeps plain rows merged too (reads win): an earlier auto's layers are rebuilt merged
+    monkeypatch.undo()
+    sql(f"insert into {SRC}.t values (4, 'g0', 2, 1.0)")
+    out = project.dbt("run", "--select", *models)
+    _exact(out, *models)
+    assert out.code("rows_append") == "INCREMENTAL" and _layout("rows_append") == "append"
+    assert out.code("rows_auto") == "FULL" and out.response("rows_auto")["reason"] == "STATE_LAYOUT_CHANGED"
+    assert _layout("rows_auto") == "merge"
     out = project.dbt("run", "--select", *models, "--full-refresh")
     _exact(out, *models)
     assert _state_rows("rows_auto") == sql(f"select count(*) from {OUT}.rows_auto")[0][0]  # now unit rows

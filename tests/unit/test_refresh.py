@@ -612,23 +612,20 @@ SUMS = "select i, sum(v) as s, count(*) as n, avg(v) as a from db.a group by i"
 MINMAX = "select i, max(v) as m from db.a group by i"
 
 
-@pytest.mark.parametrize("setting,sql,readers,had,incremental,written,expected", [
-    ("auto", SUMS, False, "merge", True, 3 << 20, "merge"),  # reads win: merged at any size
-    ("auto", SUMS, False, "merge", True, 1 << 40, "merge"),
-    ("auto", SUMS, False, "append", True, 0, "merge"),  # an earlier auto's layers: merged (rebuilt, see below)
-    ("auto", SUMS, False, "append", False, 0, "merge"),
-    ("auto", SUMS, True, "append", True, 3 << 20, "merge"),
-    ("auto", MINMAX, False, "merge", True, 3 << 20, "merge"),
-    ("auto", "select i, v from db.a", False, "merge", True, 20 << 20, "merge"),  # plain rows: from 32 MiB
-    ("auto", "select i, v from db.a", False, "merge", True, 200 << 20, "append"),
-    ("auto", "select i, v from db.a", False, "append", True, 0, "append"),  # ... and they stay
-    ("auto", "select i, v from db.a", False, "merge", False, 200 << 20, "merge"),  # a rebuild keeps the layout
-    ("auto", "select i, v from db.a", True, "merge", True, 200 << 20, "merge"),  # an incremental_mv reads it
-    ("merge", SUMS, False, "append", True, 3 << 20, "merge"),  # told
-    ("append", SUMS, False, "merge", True, 0, "append"),
-    ("append", "select i, v from db.a", False, "merge", False, 0, "append"),
+@pytest.mark.parametrize("setting,sql,readers,had,expected", [
+    ("auto", SUMS, False, "merge", "merge"),  # reads win: merged at any size
+    ("auto", SUMS, False, "append", "merge"),  # an earlier auto's layers: merged (rebuilt, see below)
+    ("auto", SUMS, True, "append", "merge"),
+    ("auto", MINMAX, False, "merge", "merge"),
+    ("auto", "select i, v from db.a", False, "merge", "merge"),  # plain rows too, at any size
+    ("auto", "select i, v from db.a", False, "append", "merge"),  # an earlier auto appended them
+    ("auto", "select i, v from db.a", True, "merge", "merge"),  # an incremental_mv reads it
+    ("merge", SUMS, False, "append", "merge"),  # told
+    ("append", SUMS, False, "merge", "append"),
+    ("append", "select i, v from db.a", False, "merge", "append"),
 ])
-def test_state_layout_follows_plan_readers_and_size(setting, sql, readers, had, incremental, written, expected):
+@pytest.mark.parametrize("written", [0, 200 << 20, 1 << 40])
+def test_state_layout_follows_config_and_plan_not_size(setting, sql, readers, had, expected, written):
     from dbt_ivm.config import Config
     from dbt_ivm.refresh.chain import settle_layout
 
@@ -636,8 +633,8 @@ def test_state_layout_follows_plan_readers_and_size(setting, sql, readers, had, 
     old = wm()
     old.layout, old.written_bytes = had, written
     # decided from the history already read: a pure function, no query
-    assert settle_layout(config, _plan(sql), old, incremental) == expected
-    assert settle_layout(config, _plan(sql), None, False) == ("append" if setting == "append" else "merge")
+    assert settle_layout(config, _plan(sql), old) == expected
+    assert settle_layout(config, _plan(sql), None) == ("append" if setting == "append" else "merge")
 
 
 @pytest.mark.parametrize("sql,readers,says", [
