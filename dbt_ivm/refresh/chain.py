@@ -16,10 +16,11 @@ from dbt_ivm.aggregate_state import DECIMAL_RANGE
 from dbt_ivm.config import APPEND, MERGE, Config
 from dbt_ivm.errors import DefinitionChanged, IvmConfigError, IvmError, Reason
 from dbt_ivm.names import DIALECT
-from dbt_ivm.plan import AGGREGATE, Plan
+from dbt_ivm.plan import AGGREGATE, BAG, DISTINCT, Plan
 from dbt_ivm.refresh.context import Choice, Facts, Settings
 from dbt_ivm.refresh.definition import FAIL_HINT, differences, in_place
-from dbt_ivm.refresh.decide import cheapest, decide, estimates, partition_floor, too_large
+from dbt_ivm.refresh.decide import (ROWS_MERGE_SHARE, cheapest, decide, estimates, partition_floor, too_large,
+                                    touched_share)
 from dbt_ivm.refresh.values import _REBUILD_REASONS, FULL, INCREMENTAL, NOOP, PARTITION, Decision
 from dbt_ivm.refresh.watermark import Watermark
 
@@ -146,7 +147,8 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
     estimated: dict = {}
     if decision.strategy in (INCREMENTAL, PARTITION) and config.weighs_costs:
         decision, estimated = cost_rule(decision, part, watermark, changes, config, measures,
-                                        facts.plan is not None and facts.plan.recomputes)
+                                        facts.plan is not None and facts.plan.recomputes,
+                                        rewrites(plan, settle_layout(config, plan, watermark), watermark, measures))
     if not measures.sized and watermark is not None:
         measures.carry_rows()
     incr = decision.strategy == INCREMENTAL
@@ -221,14 +223,24 @@ def allowed(decision: Decision, config: Config, relation: str, cause: Optional[B
         ) from cause
 
 
+def rewrites(plan: Optional[Plan], layout: str, watermark: Watermark, measures) -> float:
+    """The share of a rebuild an untried MERGE is estimated to add by passing
+    over the state files the change touches (decide.ROWS_MERGE_SHARE): for a
+    state of rows (plain rows, DISTINCT) under the merge layout, which is as
+    big as the model; 0 for an aggregate's state or appended layers."""
+    if plan is None or plan.kind not in (BAG, DISTINCT) or layout != MERGE:
+        return 0.0
+    return ROWS_MERGE_SHARE * touched_share(measures.removals, watermark.written_files)
+
+
 def cost_rule(decision: Decision, part, watermark: Watermark, changes: Optional[int], config: Config,
-              measures, recomputes: bool = False) -> tuple[Decision, dict]:
+              measures, recomputes: bool = False, rewrite: float = 0.0) -> tuple[Decision, dict]:
     """The cost rule (ivm_policy 'auto', ivm_cost_rule 'auto'): among the
     strategies of the chain that apply from the one decided on, the one
     estimated cheapest from the state's measured costs (decide.estimates;
-    ``recomputes``: the plan's, Plan.recomputes, for the prior of an
-    incremental refresh never measured). Returns the decision and the
-    estimates (recorded beside the actual time)."""
+    ``recomputes``: the plan's, Plan.recomputes, and ``rewrite`` (rewrites),
+    for the prior of an incremental refresh never measured). Returns the
+    decision and the estimates (recorded beside the actual time)."""
     candidates = [decision.strategy] + ([PARTITION] if decision.strategy == INCREMENTAL and
                                         not isinstance(part, Reason) else []) + [FULL]
     replaced = total = None
@@ -239,7 +251,7 @@ def cost_rule(decision: Decision, part, watermark: Watermark, changes: Optional[
         # Estimated dearer than INCREMENTAL whatever the state's partition
         # count: not a candidate, and the partitions are not counted.
         inc = estimates(costs, changes, rows=measures.total, recomputes=recomputes,
-                        inputs=measures.input_rows()).get(INCREMENTAL)
+                        inputs=measures.input_rows(), rewrites=rewrite).get(INCREMENTAL)
         floor = partition_floor(costs, len(part.values))
         if inc is not None and floor is not None and inc[0] < floor:
             candidates.remove(PARTITION)
@@ -253,7 +265,7 @@ def cost_rule(decision: Decision, part, watermark: Watermark, changes: Optional[
         replaced = len(part.values)
         if not costs.get("partition") and costs.get("full") is not None:
             total = measures.partition_total()
-    est = estimates(costs, changes, replaced, total, measures.total, recomputes, measures.input_rows())
+    est = estimates(costs, changes, replaced, total, measures.total, recomputes, measures.input_rows(), rewrite)
     best, why = cheapest(candidates, est, costs, changes)
     if best == decision.strategy:
         return decision, est

@@ -279,6 +279,7 @@ def append_layers(history: list[tuple]) -> Layers:
 
 
 _BYTES_WRITTEN = ("numOutputBytes", "numTargetBytesAdded", "numAddedBytes")
+_FILES_WRITTEN = ("numFiles", "numTargetFilesAdded", "numAddedFiles")
 
 
 def written_bytes(history: list[tuple]) -> int:
@@ -295,10 +296,27 @@ def written_bytes(history: list[tuple]) -> int:
     ...                 {"numOutputBytes": "9000"})])
     9000
     """
+    return _most(history, _BYTES_WRITTEN)
+
+
+def written_files(history: list[tuple]) -> int:
+    """The most files any one of the given commits wrote: as written_bytes,
+    a lower bound of the state's file count that a rebuild reaches.
+
+    >>> written_files([(1, None, None, None, "MERGE", {}, None, None, None, 0, None, False,
+    ...                 {"numTargetFilesAdded": "2"}),
+    ...                (0, None, None, None, "CREATE TABLE AS SELECT", {}, None, None, None, None, None, True,
+    ...                 {"numFiles": "8"})])
+    8
+    """
+    return _most(history, _FILES_WRITTEN)
+
+
+def _most(history: list[tuple], keys: tuple) -> int:
     most = 0
     for row in history:
         metrics = op_metrics(row)
-        for key in _BYTES_WRITTEN:
+        for key in keys:
             try:
                 most = max(most, int(str(metrics.get(key) or 0).strip('"')))
             except ValueError:

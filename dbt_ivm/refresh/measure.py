@@ -183,6 +183,10 @@ class Measures:
         self.rows = {canonical(s["physical"]): s.get("rows") for s in (wm.sources if wm else [])}
         self.sized = False  # change_sizes or carry_rows ran: self.rows holds the new versions' counts
         self.total: Optional[int] = None  # the changed sources' rows now, where all are known
+        # The changed rows that are not plain inserts (deletes, updates), at
+        # most: change_sizes sets it from the commit metrics (inserts are the
+        # net rows added; where the metrics do not say, every changed row).
+        self.removals: Optional[int] = None
         self._before: Optional[tuple] = None  # (count, age) once partition_total knows them
         self._carried: Optional[tuple] = None  # (count, age) the watermark carries
         if wm is not None and wm.signature == facts.sig and wm.partitions is not None:
@@ -215,6 +219,7 @@ class Measures:
         sizes: dict = {}
         counts: dict = {}  # source name -> SQL of a scalar count
         derived: dict = {}  # source name -> rows now, from the recorded count and the metrics
+        nets: dict = {}  # source name -> net rows added in the window, where the metrics say
         for s in self.facts.sources:
             if old.get(s.physical) == s.version:
                 continue
@@ -228,6 +233,7 @@ class Measures:
             if hi - lo > len(history):
                 _, history = history_head(self.ex, s.physical, depth=hi - lo)
             estimate, net = window_estimate(history, lo, hi)
+            nets[s.name] = net
             before = self.rows.get(s.physical)
             derived[s.name] = before + net if before is not None and net is not None else None
             if derived[s.name] is not None and derived[s.name] < 0:  # metrics we misread: count again
@@ -257,6 +263,7 @@ class Measures:
                 sizes[n][1] = int(value)
                 self.rows[big[n][2].physical] = int(value)
         self.sized = True
+        self.removals = sum(c - max(nets.get(n) or 0, 0) for n, (c, _, _) in sizes.items())
         totals = [t if t is not None else derived.get(n) for n, (_, t, _) in sizes.items()]
         self.total = sum(totals) if totals and None not in totals else None
         return {n: (c, t) for n, (c, t, _) in sizes.items()}

@@ -17,7 +17,7 @@ from dbt_ivm.refresh import iceberg_state
 from dbt_ivm.refresh.values import COST_REASONS, CREATE, FULL, INCREMENTAL, PARTITION
 from dbt_ivm.refresh.log import (
     _NO_ROW_CHANGE_OPS, Executor, Layers, _epoch, append_layers, describe_history, maintenance_mark, dv_merges, user_metadata,
-    written_bytes,
+    written_bytes, written_files,
 )
 
 
@@ -28,8 +28,8 @@ WATERMARK_FORMAT = 1
 
 
 # Watermark fields filled in when it is read back, never stored.
-_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes", "layers", "foreign",
-                        "costs"})
+_READ_BACK = frozenset({"state_version", "commit_version", "dv_merges", "written_bytes", "written_files", "layers",
+                        "foreign", "costs"})
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Watermark:
     commit_version: Optional[int] = None  # ... and the version of the commit that holds this watermark
     dv_merges: int = 0  # ... and the MERGEs that left deletion vectors since the state was last rewritten
     written_bytes: int = 0  # ... and the most bytes one of its recent commits wrote (see written_bytes)
+    written_files: int = 0  # ... and the most files one of them wrote (see written_files)
     recomputed: int = 0  # MIN/MAX groups its refresh recomputed (> 0: the next one probes first)
     thin: bool = False  # its build kept each MIN/MAX group's extreme alone (aggregate_state.thin_build): the
     # next refresh probes first
@@ -154,6 +155,7 @@ def read_watermark(ex: Executor, state: str) -> tuple[Optional[int], Optional[Wa
                 wm.foreign = foreign_write(rows[:at])
                 wm.state_version, wm.commit_version = current, int(row[0])
                 wm.dv_merges, wm.written_bytes = dv_merges(rows), written_bytes(rows)
+                wm.written_files = written_files(rows)
                 wm.layers = append_layers(rows)
                 wm.costs = measured_costs(rows)
                 return current, wm
