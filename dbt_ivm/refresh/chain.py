@@ -152,7 +152,7 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
     if not measures.sized and watermark is not None:
         measures.carry_rows()
     incr = decision.strategy == INCREMENTAL
-    dvs = settle_dvs(config, watermark, incr)
+    dvs = settle_dvs(config, watermark, incr, plan)
     # A partition refresh keeps the layout it finds (a switch to append
     # re-creates the view, which only the incremental path does).
     layout = settle_layout(config, plan, watermark)
@@ -362,14 +362,18 @@ def settle_layout(config: Config, plan: Optional[Plan], old: Optional[Watermark]
     return AUTO_LAYOUT
 
 
-def settle_dvs(config: Config, old: Optional[Watermark], incr: bool) -> bool:
+def settle_dvs(config: Config, old: Optional[Watermark], incr: bool, plan: Optional[Plan] = None) -> bool:
     """ivm_deletion_vectors='auto': on from the first incremental refresh that
     finds the state big (one of its recent commits wrote DV_AUTO_BYTES or
     more: read from the history the watermark came from, no query); once on,
-    they stay on. A rebuild keeps what the state had."""
+    they stay on. A rebuild keeps what the state had. Never turned on for a
+    state of rows (plain rows, DISTINCT): its MERGE is taken only where it
+    touches few files (decide.ROWS_MERGE_SHARE), where rewriting them is
+    cheap, and a read of rows under deletion vectors cost 1.48x the table's
+    (docs/DESIGN.md §2), where a merged state reads at 1.0-1.3x."""
     if config.deletion_vectors != "auto":
         return config.deletion_vectors == "true"
     on = bool(old and old.deletion_vectors)
-    if incr and old is not None and not on:
+    if incr and old is not None and not on and (plan is None or plan.kind not in (BAG, DISTINCT)):
         on = old.written_bytes >= DV_AUTO_BYTES
     return on

@@ -288,6 +288,11 @@ def test_auto_deletion_vectors_follow_the_state_size(setting, had, incremental, 
     old.deletion_vectors, old.written_bytes = had, written
     # decided from the history already read: a pure function, no query
     assert settle_dvs(Config.of({"ivm_deletion_vectors": setting}), old, incremental) is expected
+    rows, agg = _plan("select i, v from db.a"), _plan(SUMS)
+    assert settle_dvs(Config.of({"ivm_deletion_vectors": setting}), old, incremental, agg) is expected
+    # a state of rows: never turned on by auto (reads win), kept where on, on where told
+    assert settle_dvs(Config.of({"ivm_deletion_vectors": setting}), old, incremental, rows) is (
+        expected and (setting == "true" or bool(had)))
 
 
 def test_written_bytes_reads_every_writers_metric():
