@@ -973,6 +973,7 @@ def test_an_untried_merge_into_a_state_of_rows_weighs_the_files_it_rewrites():
     from dbt_ivm.plan import build_plan
     from dbt_ivm.refresh import cheapest, estimates
     from dbt_ivm.refresh.chain import rewrites
+    from dbt_ivm.refresh.decide import RETRY_AFTER, RETRY_WITHIN, ROWS_MERGE_SHARE
     from tests.unit.test_compiler import CATALOG
 
     rows = build_plan("select a.i, b.k from db.a a join db.b b on a.i = b.i", CATALOG)
@@ -989,7 +990,11 @@ def test_an_untried_merge_into_a_state_of_rows_weighs_the_files_it_rewrites():
         share = rewrites(plan, layout, old, SimpleNamespace(removals=removals))
         est = estimates(costs, 10_000, rows=10_000_000, rewrites=share)
         assert cheapest(["INCREMENTAL", "FULL"], est, costs, 10_000)[0] == expected, (layout, removals, est)
-    assert rewrites(rows, "merge", wm(), SimpleNamespace(removals=5)) == 1.0  # files unknown: all of them
+    assert rewrites(rows, "merge", wm(), SimpleNamespace(removals=5)) == ROWS_MERGE_SHARE  # files unknown: all
+    retry = {"full": 12.5, "rebuilt": RETRY_AFTER}  # beyond RETRY_WITHIN of the rebuild: not retried either
+    est = estimates(retry, 10_000, rows=10_000_000, rewrites=rewrites(rows, "merge", old, SimpleNamespace(removals=3000)))
+    assert est["INCREMENTAL"][0] > RETRY_WITHIN * 12.5 and cheapest(["INCREMENTAL", "FULL"], est, retry, 10_000)[0] == \
+        "FULL"
     measured = {"full": 12.5, "incremental": (3.0, 10_000)}  # once measured, the measurement decides
     assert cheapest(["INCREMENTAL", "FULL"], estimates(measured, 10_000, rows=10_000_000, rewrites=1.0),
                     measured, 10_000)[0] == "INCREMENTAL"
