@@ -55,13 +55,12 @@ KEYS = {
                                                        "a full rebuild"),
     "ivm_cost_rule": ("cost_rule", "auto (under ivm_policy 'auto', take the strategy the state's measured costs "
                                    "estimate cheapest), off"),
-    "ivm_state_layout": ("state_layout", "auto (an aggregate merged; plain rows merged, appended from "
-                                         "a 64 MiB state), merge, append (writes only the change, each "
-                                         "read folds the layers)"),
+    "ivm_state_layout": ("state_layout", "auto (merged, at any size: reads win), merge, append (writes "
+                                         "only the change, each read folds the layers)"),
     "ivm_change_feed": ("change_feed", "auto (on when an incremental_mv of this project reads this model), "
                                        "true, false"),
-    "ivm_deletion_vectors": ("deletion_vectors", f"auto (on once the state table is {AUTO_BYTES >> 20} MiB), "
-                                                 "true, false"),
+    "ivm_deletion_vectors": ("deletion_vectors", f"auto (on once an aggregate's state table is "
+                                                 f"{AUTO_BYTES >> 20} MiB; never for a state of rows), true, false"),
     "ivm_history": ("history", "true (a row per refresh in <target schema>.ivm_refresh_history), false, or the "
                                "name of the history table"),
     "partition_by": ("partition_by", "a column name or a list of column names of the model"),
