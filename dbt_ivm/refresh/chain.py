@@ -34,8 +34,8 @@ from dbt_ivm.refresh.watermark import Watermark
 # refresh 0.36) and 1.0-1.2x merged, where its MERGE costs more than a
 # rebuild, so its refresh is a rebuild (about the table's cost) when a change
 # spreads over every file of the state. No lighter way to remove rows reads
-# within 1.2x (docs/DESIGN.md §2: deletion vectors 1.48x, a stored row id
-# 1.44x). A view is read far more often than it is refreshed, so reads win;
+# within 1.2x (docs/DESIGN.md §2, ./run read-layouts: deletion vectors
+# 1.37-1.48x, a stored row id 1.33-1.44x). A view is read far more often than it is refreshed, so reads win;
 # ivm_state_layout: append is the choice for a model refreshed more often than
 # read. (The scenario suite sets APPEND here to run every eligible model
 # through that layout.)
@@ -369,8 +369,8 @@ def settle_dvs(config: Config, old: Optional[Watermark], incr: bool, plan: Optio
     they stay on. A rebuild keeps what the state had. Never turned on for a
     state of rows (plain rows, DISTINCT): its MERGE is taken only where it
     touches few files (decide.ROWS_MERGE_SHARE), where rewriting them is
-    cheap, and a read of rows under deletion vectors cost 1.48x the table's
-    (docs/DESIGN.md §2), where a merged state reads at 1.0-1.3x."""
+    cheap, and a read of rows under deletion vectors cost 1.37-1.48x the
+    table's (docs/DESIGN.md §2), where a merged state reads at 1.0-1.2x."""
     if config.deletion_vectors != "auto":
         return config.deletion_vectors == "true"
     on = bool(old and old.deletion_vectors)
