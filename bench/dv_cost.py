@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,15 +33,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--driver-memory", default="8g")
     a = p.parse_args()
-    from dbt.adapters.spark_ivm.connections import default_spark_conf, spark_session
+    from scratch_session import scratch_sql  # beside this script
 
-    conf = default_spark_conf(tempfile.mkdtemp(prefix="dv_cost_"))
-    conf["spark.driver.memory"] = a.driver_memory
-    conf["spark.sql.shuffle.partitions"] = "8"
-    spark = spark_session(conf)
-
-    def sql(q: str):
-        return spark.sql(q).collect()
+    sql = scratch_sql("dv_cost_", a.driver_memory)
 
     def timed(q: str) -> float:
         start = time.perf_counter()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,18 +44,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--driver-memory", default="8g")
     a = p.parse_args()
-    from dbt.adapters.spark_ivm.connections import default_spark_conf, spark_session
-
     from dbt_ivm.bag_state import folded_bag
     from dbt_ivm.sqltree import render
 
-    conf = default_spark_conf(tempfile.mkdtemp(prefix="read_layouts_"))
-    conf["spark.driver.memory"] = a.driver_memory
-    conf["spark.sql.shuffle.partitions"] = "8"
-    spark = spark_session(conf)
+    from scratch_session import scratch_sql  # beside this script
 
-    def sql(q: str):
-        return spark.sql(q).collect()
+    sql = scratch_sql("read_layouts_", a.driver_memory)
 
     n, c, s = int(a.rows), int(a.removed), SCHEMA
     cl = ", ".join(COLS)
