@@ -8,8 +8,9 @@ seven of them removed, 1,500 new) as a Delta table; then, alternating which
 table goes first, per round: the table restored to its written version, the
 ``MERGE`` a refresh runs (the same clauses), and a full read
 (``count(*)``, ``sum(hash(*))``). Prints the medians, seconds — what
-``ivm_deletion_vectors='auto'``'s threshold (refresh.chain.DV_AUTO_BYTES) is
-chosen from (docs/DESIGN.md §2).
+``ivm_deletion_vectors='auto'`` is chosen from (refresh.chain.settle_dvs: off,
+as a read with them costs 1.26x and more at every size measured;
+docs/DESIGN.md §2).
 
     ./run dv-cost 1e6 4e6 12e6        # groups per state; --rounds N (default 4)
 """

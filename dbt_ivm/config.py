@@ -38,10 +38,6 @@ ON_CHANGE = ("apply", "continue", "fail")
 DEFAULT_THRESHOLD = 0.5
 DEFAULT_PARTITION_THRESHOLD = 0.5
 
-# ivm_deletion_vectors 'auto' switches at this state size
-# (refresh.chain.DV_AUTO_BYTES restates it for its rule).
-AUTO_BYTES = 64 << 20
-
 # The keys a model sets, each with the Config field it fills and what it accepts.
 KEYS = {
     "on_configuration_change": ("on_change", "apply (rebuild where the definition changed), continue (keep the "
@@ -59,8 +55,10 @@ KEYS = {
                                          "only the change, each read folds the layers)"),
     "ivm_change_feed": ("change_feed", "auto (on when an incremental_mv of this project reads this model), "
                                        "true, false"),
-    "ivm_deletion_vectors": ("deletion_vectors", f"auto (on once an aggregate's state table is "
-                                                 f"{AUTO_BYTES >> 20} MiB; never for a state of rows), true, false"),
+    "ivm_deletion_vectors": ("deletion_vectors", "auto (off at any size, and turned off where an earlier auto "
+                                                 "turned them on: every read of a state with them pays 1.26x and "
+                                                 "more; true for a model refreshed more often than read), true, "
+                                                 "false"),
     "ivm_history": ("history", "true (a row per refresh in <target schema>.ivm_refresh_history), false, or the "
                                "name of the history table"),
     "partition_by": ("partition_by", "a column name or a list of column names of the model"),

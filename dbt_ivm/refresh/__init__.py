@@ -16,7 +16,7 @@
 The names below are the package's interface (the adapter, the audit and the tests use them).
 """
 
-from dbt_ivm.refresh.chain import AUTO_LAYOUT, DV_AUTO_BYTES
+from dbt_ivm.refresh.chain import AUTO_LAYOUT
 from dbt_ivm.refresh.decide import (
     INCREMENTAL_PRIOR_S, RETRY_AFTER, SMALL_CHANGE, cheapest, decide, estimates, partition_floor, too_large,
 )
@@ -33,7 +33,7 @@ from dbt_ivm.refresh.values import CREATE, FULL, INCREMENTAL, NOOP, PARTITION, D
 from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, foreign_write, measured_costs, read_watermark, state_name
 
 __all__ = [
-    "AUTO_LAYOUT", "COMPACT_AFTER", "CREATE", "DV_AUTO_BYTES", "Decision", "Executor", "FULL", "INCREMENTAL",
+    "AUTO_LAYOUT", "COMPACT_AFTER", "CREATE", "Decision", "Executor", "FULL", "INCREMENTAL",
     "INCREMENTAL_PRIOR_S", "LAYER_FRACTION", "MAINTENANCE_MARK", "MAX_LAYERS", "NOOP", "PARTITION", "PROP_KIND",
     "PROP_LAYOUT", "PROP_STATE", "RETRY_AFTER", "Result", "SMALL_CHANGE", "Watermark",
     "append_layers", "cheapest", "estimates", "commit_stamps", "decide", "describe_history", "describe_source",

@@ -42,19 +42,6 @@ from dbt_ivm.refresh.watermark import Watermark
 AUTO_LAYOUT = MERGE
 
 
-# ivm_deletion_vectors='auto' turns them on once a commit of the state table
-# wrote this much (written_bytes; a rebuild writes all of it). A MERGE into a
-# state with deletion vectors marks the rows it replaces instead of rewriting
-# every file it touches, but every read of the state then pays for them: one
-# more job listing the files' vectors, and the vectors applied. Measured on
-# aggregate states (5 columns, ~5,000 changed groups spread over every file,
-# medians of 4; docs/DESIGN.md §2), MERGE without / with vectors and a full
-# read of the state without / with: 8 MiB 5.0 / 4.4 s and 1.08 / 1.42 s;
-# 33 MiB 7.2 / 5.0 s and 0.95 / 1.61 s; 104 MiB 14.7 / 9.1 s and 1.74 / 2.23 s.
-# A view is read far more often than it is refreshed: below 64 MiB the MERGE
-# gains at most ~2 s and each read loses 0.3-0.7 s, so the state stays
-# without them; above it the MERGE gains 5 s and more.
-DV_AUTO_BYTES = 64 << 20
 
 
 # Errors meaning the change feed or an old snapshot of the window is gone.
@@ -151,8 +138,7 @@ def choose(facts: Facts, config: Config, full_refresh: bool, measures, relation:
                                         rewrites(plan, settle_layout(config, plan, watermark), watermark, measures))
     if not measures.sized and watermark is not None:
         measures.carry_rows()
-    incr = decision.strategy == INCREMENTAL
-    dvs = settle_dvs(config, watermark, incr, plan)
+    dvs = settle_dvs(config)
     # A partition refresh keeps the layout it finds (a switch to append
     # re-creates the view, which only the incremental path does).
     layout = settle_layout(config, plan, watermark)
@@ -362,18 +348,18 @@ def settle_layout(config: Config, plan: Optional[Plan], old: Optional[Watermark]
     return AUTO_LAYOUT
 
 
-def settle_dvs(config: Config, old: Optional[Watermark], incr: bool, plan: Optional[Plan] = None) -> bool:
-    """ivm_deletion_vectors='auto': on from the first incremental refresh that
-    finds the state big (one of its recent commits wrote DV_AUTO_BYTES or
-    more: read from the history the watermark came from, no query); once on,
-    they stay on. A rebuild keeps what the state had. Never turned on for a
-    state of rows (plain rows, DISTINCT): its MERGE is taken only where it
-    touches few files (decide.ROWS_MERGE_SHARE), where rewriting them is
-    cheap, and a read of rows under deletion vectors cost 1.37-1.48x the
-    table's (docs/DESIGN.md §2), where a merged state reads at 1.0-1.2x."""
-    if config.deletion_vectors != "auto":
-        return config.deletion_vectors == "true"
-    on = bool(old and old.deletion_vectors)
-    if incr and old is not None and not on and (plan is None or plan.kind not in (BAG, DISTINCT)):
-        on = old.written_bytes >= DV_AUTO_BYTES
-    return on
+def settle_dvs(config: Config) -> bool:
+    """Whether the state table keeps deletion vectors: where the model says
+    true. 'auto' keeps them off at any size, and turns off those an earlier
+    dbt-ivm's 'auto' turned on (from 64 MiB of state): a MERGE with them marks
+    the rows it replaces instead of rewriting the files it touches, but every
+    read of the state then pays for them, one more job listing the files'
+    vectors and the vectors applied. Measured on aggregate states (5 columns,
+    ~5,000 changed groups spread over every file, medians of 3-4; MERGE
+    without / with, then a full read without / with; docs/DESIGN.md §2):
+    8 MiB 5.0 / 4.4 s, 1.08 / 1.42 s; 33 MiB 7.2 / 5.0 s, 0.95 / 1.61 s;
+    104 MiB 14.7 / 9.1 s, 1.74 / 2.23 s; 348 MiB 57.7 / 29.0 s, 4.59 / 5.80 s.
+    A read costs 1.26x and more at every size, and a view is read far more
+    often than it is refreshed (issue 44: reads win); a model refreshed more
+    often than read can say ivm_deletion_vectors=true."""
+    return config.deletion_vectors == "true"

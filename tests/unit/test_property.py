@@ -3,7 +3,7 @@ typed error, and every statement emitted for a plan parses back and names only
 columns that exist.
 
 The queries come from tests/querygen.py (hostile names and literals, every
-query shape, broken syntax). ``DBT_IVM_PROPERTY_QUERIES`` (default 1000) and
+query shape, broken syntax). ``DBT_IVM_PROPERTY_QUERIES`` (default 300) and
 ``DBT_IVM_PROPERTY_SEED`` set the run; the soak is ``./run soak 100000``.
 """
 
@@ -30,7 +30,7 @@ from dbt_ivm.refresh import Watermark, state_name
 from dbt_ivm.sqltree import render
 from tests.querygen import CATALOG, TABLES, queries
 
-COUNT = int(os.environ.get("DBT_IVM_PROPERTY_QUERIES", "1000"))
+COUNT = int(os.environ.get("DBT_IVM_PROPERTY_QUERIES", "300"))
 SEED = int(os.environ.get("DBT_IVM_PROPERTY_SEED", "20261125"))
 MODEL = "`analytics`.`m--odel.x`"
 CHANGE_COLUMNS = (("_change_type", "string"), ("_commit_version", "bigint"))

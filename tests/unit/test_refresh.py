@@ -270,29 +270,33 @@ def test_invalid_deletion_vectors_value_names_the_valid_values():
         validate_config({"ivm_deletion_vectors": "yes"})
 
 
-@pytest.mark.parametrize("setting,had,incremental,written,expected", [
-    ("auto", None, True, 64 << 20, True),  # a recent commit wrote 64 MiB: on
-    ("auto", None, True, 63 << 20, False),  # smaller: off (reads would pay for them)
-    ("auto", None, True, 3 << 20, False),
-    ("auto", True, True, 0, True),  # once on, they stay on
-    ("auto", None, False, 64 << 20, False),  # a rebuild keeps what the state had
-    ("auto", True, False, 0, True),
-    ("false", None, True, 64 << 20, False),  # told
-    ("true", None, True, 0, True),
+@pytest.mark.parametrize("setting,had,expected", [
+    ("auto", None, False),  # off at any size: a read of a state with them pays 1.26x and more
+    ("auto", True, False),  # an earlier auto turned them on (from 64 MiB): turned off
+    ("false", True, False),  # told
+    ("true", None, True),
+    ("true", False, True),
 ])
-def test_auto_deletion_vectors_follow_the_state_size(setting, had, incremental, written, expected):
+def test_auto_deletion_vectors_stay_off_for_the_reads(setting, had, expected):
     from dbt_ivm.config import Config
+    from dbt_ivm.refresh import commit
     from dbt_ivm.refresh.chain import settle_dvs
+    from dbt_ivm.refresh.context import Settings
+    from tests.unit.contexts import context
 
+    on = settle_dvs(Config.of({"ivm_deletion_vectors": setting}))
+    assert on is expected
+    # what the refresh then sets: a state that had them under auto gets them switched off
     old = wm()
-    old.deletion_vectors, old.written_bytes = had, written
-    # decided from the history already read: a pure function, no query
-    assert settle_dvs(Config.of({"ivm_deletion_vectors": setting}), old, incremental) is expected
-    rows, agg = _plan("select i, v from db.a"), _plan(SUMS)
-    assert settle_dvs(Config.of({"ivm_deletion_vectors": setting}), old, incremental, agg) is expected
-    # a state of rows: never turned on by auto (reads win), kept where on, on where told
-    assert settle_dvs(Config.of({"ivm_deletion_vectors": setting}), old, incremental, rows) is (
-        expected and (setting == "true" or bool(had)))
+    old.deletion_vectors = had
+    ex = _Recorder()
+    ctx = context(ex, config={"ivm_deletion_vectors": setting}, settings=Settings("merge", on, False))
+    assert commit.state_properties(ctx)["delta.enableDeletionVectors"] == str(expected).lower()
+    old.change_feed = False
+    commit.set_properties(ctx, old)
+    switched = bool(had) != expected
+    assert ex.sql == ([f"ALTER TABLE `db`.`m__ivm_state` SET TBLPROPERTIES ('delta.enableDeletionVectors'="
+                       f"'{str(expected).lower()}')"] if switched else []), ex.sql
 
 
 def test_written_bytes_reads_every_writers_metric():
