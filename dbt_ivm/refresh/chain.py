@@ -42,8 +42,6 @@ from dbt_ivm.refresh.watermark import Watermark
 AUTO_LAYOUT = MERGE
 
 
-
-
 # Errors meaning the change feed or an old snapshot of the window is gone.
 _MISSING_HISTORY = re.compile(
     r"DELTA_MISSING_CHANGE_DATA|DELTA_CHANGE_DATA_FILE_NOT_FOUND|DELTA_CHANGE_TABLE_FEED_DISABLED"
