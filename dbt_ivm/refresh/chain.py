@@ -358,6 +358,6 @@ def settle_dvs(config: Config) -> bool:
     8 MiB 5.0 / 4.4 s, 1.08 / 1.42 s; 33 MiB 7.2 / 5.0 s, 0.95 / 1.61 s;
     104 MiB 14.7 / 9.1 s, 1.74 / 2.23 s; 348 MiB 57.7 / 29.0 s, 4.59 / 5.80 s.
     A read costs 1.26x and more at every size, and a view is read far more
-    often than it is refreshed (issue 44: reads win); a model refreshed more
+    often than it is refreshed (reads win); a model refreshed more
     often than read can say ivm_deletion_vectors=true."""
     return config.deletion_vectors == "true"
