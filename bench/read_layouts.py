@@ -7,6 +7,10 @@ change of ~C removed rows spread over every file plus C new rows, held as:
 - ``table``: the rows after the change, written plain (what a dbt table reads);
 - ``merged``: the state under the merge layout (a multiplicity column), read
   through the view's generator (bag_state / state_rows.repeat_rows);
+- ``merged, plain view``: the same state read as its rows are, as a view may
+  when every multiplicity is 1 (a rebuild wrote it: Watermark.ones), with the
+  guard that makes such a view fail rather than miss a copy (``__ivm_count = 1
+  OR raise_error``), and without it;
 - ``append``: unit rows plus a layer (removals as negative rows, additions as
   unit rows), read through the view's fold (bag_state.folded_bag);
 - ``deletion vectors``: the plain rows, the removals deleted with deletion
@@ -71,6 +75,9 @@ def main() -> None:
     sql(f"create table {s}.m {plain} as select *, cast(1 as bigint) __ivm_count from {s}.t")
     sql(f"create or replace view {s}.m_v as select {cl} from {s}.m "
         "lateral view explode(sequence(cast(1 as bigint), __ivm_count)) e as i")
+    sql(f"create or replace view {s}.m_p as select {cl} from {s}.m")
+    sql(f"create or replace view {s}.m_g as select {cl} from {s}.m "
+        "where __ivm_count = 1 or raise_error('a row repeats')")
     sql(f"create table {s}.u {plain} as select *, cast(1 as bigint) __ivm_count from ({rows})")
     sql(f"insert into {s}.u select {cl}, cast(-1 as bigint) from ({rows}) where {gone} "
         f"union all select *, cast(1 as bigint) from ({new})")
@@ -95,8 +102,8 @@ def main() -> None:
                         where __ivm_count = 0 group by {cl}) x
         on xxhash64({sl}) = x.rid and {same} and s.__ivm_layer < x.layer where s.__ivm_count = 1""")
 
-    relations = {"table": "t", "merged": "m_v", "append": "u_v", "deletion vectors": "dv", "row id": "idt_v",
-                 "tombstone": "tb_v"}
+    relations = {"table": "t", "merged": "m_v", "merged, plain view": "m_g", "... unguarded": "m_p",
+                 "append": "u_v", "deletion vectors": "dv", "row id": "idt_v", "tombstone": "tb_v"}
     q = "select count(*), sum(cast(hash(*) as bigint)) from {s}.{r}"
     answers = {k: tuple(sql(q.format(s=s, r=r))[0]) for k, r in relations.items()}
     if len(set(answers.values())) != 1:

@@ -29,11 +29,11 @@ from dbt_ivm.bag_state import bag_layer, bag_merge, bag_units, distinct_state, f
 from dbt_ivm.catalog import DELTA, ICEBERG, ICEBERG_MV, MV, Source
 from dbt_ivm.delta import Window
 from dbt_ivm.model import Model
-from dbt_ivm.names import PREFIX
+from dbt_ivm.names import PREFIX, display
 from dbt_ivm.parse import source_tables, table_name
 from dbt_ivm.plan import AGGREGATE, BAG, Plan
 from dbt_ivm.sqltree import aliased, at_version, select
-from dbt_ivm.state_rows import COUNT, Node, col_list, repeat_rows, state_ref, unit_rows
+from dbt_ivm.state_rows import COUNT, Node, col_list, repeat_rows, rows_once, state_ref, unit_rows
 
 
 def append_eligible(plan: Optional[Plan]) -> bool:
@@ -93,16 +93,17 @@ def aggregate_change(plan: Plan, window: Window, types: dict) -> Optional[exp.Se
 
 
 def merge_statement(plan: Plan, state: str, window: Window, types: dict, recompute: Optional[exp.Query] = None,
-                    change: Optional[exp.Query] = None) -> Optional[exp.Merge]:
+                    change: Optional[exp.Query] = None, once: bool = False) -> Optional[exp.Merge]:
     """The one MERGE applying the window's changes to the state; None if no
     source the plan reads changed. ``recompute``: a query returning the MIN/MAX
     groups to recompute from the new snapshot (recompute_groups' rows). Without
     it no source snapshot is read, and a group whose top-k runs out makes the
     statement fail with RAN_OUT in its message, writing nothing. ``change``: a query
-    returning aggregate_change's rows (computed already)."""
+    returning aggregate_change's rows (computed already). ``once``: a
+    plain-row state's counts stay 1 (bag_merge)."""
     if plan.kind == AGGREGATE:
         return aggregate_merge(plan, state, window, types, recompute, change)
-    return bag_merge(plan, state, window)
+    return bag_merge(plan, state, window, once)
 
 
 def bag_state_of_query(query: exp.Query, columns: list[str]) -> exp.Select:
@@ -112,12 +113,18 @@ def bag_state_of_query(query: exp.Query, columns: list[str]) -> exp.Select:
     return unit_rows(query.copy(), columns, COUNT, True)
 
 
-def view_query(kind: str, columns: list[str], state: str, folded: Optional[exp.Query] = None) -> exp.Select:
+def view_query(kind: str, columns: list[str], state: str, folded: Optional[exp.Query] = None,
+               ones: bool = False) -> exp.Select:
     """The relation dbt exposes: exactly the model's columns over the state
-    (``folded``: over that query instead, folded_state of a layered state)."""
+    (``folded``: over that query instead, folded_state of a layered state).
+    A plain-row state's rows are repeated by their count, unless ``ones``:
+    every count is 1 (Watermark.ones), and the rows are read as they are,
+    checked (rows_once)."""
     if folded is not None:
         return select(*col_list(columns)).from_(aliased(folded.copy(), f"{PREFIX}f"))
     out = select(*col_list(columns)).from_(state_ref(state))
+    if kind == BAG and ones:
+        return out.where(rows_once(COUNT, display(state)))
     if kind == BAG:
         out.set("laterals", [repeat_rows(COUNT)])
     return out

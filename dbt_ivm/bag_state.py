@@ -13,10 +13,10 @@ from sqlglot import exp
 from dbt_ivm.delta import NEW, W, Window, delta, snapshot
 from dbt_ivm.names import PREFIX
 from dbt_ivm.plan import Plan
-from dbt_ivm.sqltree import aliased, col, hint, nullsafe_on, num, or_, select, union_all
+from dbt_ivm.sqltree import aliased, call, case, cast, col, hint, nullsafe_on, num, or_, select, string, union_all
 from dbt_ivm.sqltree import alias as as_
-from dbt_ivm.state_rows import (COUNT, RID, Node, col_list, plus_cols, row_hash, state_ref, state_rows, unit_rows,
-                                unit_weights)
+from dbt_ivm.state_rows import (COUNT, REPEATS, RID, Node, col_list, plus_cols, row_hash, state_ref, state_rows,
+                                unit_rows, unit_weights)
 
 
 def _consolidated(rel: exp.Query, cols: list[str]) -> exp.Select:
@@ -32,18 +32,32 @@ def distinct_state(plan: Plan, window: Window) -> exp.Select:
     return select(*col_list(plan.columns), col(COUNT)).from_(aliased(_consolidated(rel, plan.columns), f"{PREFIX}s"))
 
 
-def bag_merge(plan: Plan, state: str, window: Window) -> Optional[exp.Merge]:
+def bag_merge(plan: Plan, state: str, window: Window, once: bool = False) -> Optional[exp.Merge]:
+    """The merge layout's MERGE of a plain-row state: each distinct row of the
+    window's net change matched to its state row on every column, its count
+    added. ``once``: the state's every count is 1 (Watermark.ones) and must
+    stay so, its view reading the rows as they are; a row that would come to
+    hold a second copy makes the statement fail before it commits, with
+    state_rows.REPEATS in its message (the refresh then repeats the view's
+    rows by their count first, and merges again without the guard)."""
     d = delta(plan.input, window)
     if d is None:
         return None
     cols = plan.columns
-    whens = [
-        exp.When(matched=True, condition=exp.LTE(this=plus_cols(COUNT, "t", "s"), expression=num(0)),
-                 then=exp.Var(this="DELETE")),
-        exp.When(matched=True, then=exp.Update(expressions=[exp.EQ(this=col(COUNT), expression=plus_cols(COUNT, "t", "s"))])),
+    summed = plus_cols(COUNT, "t", "s")
+    new_count = col(COUNT, "s")
+    whens = [exp.When(matched=True, condition=exp.LTE(this=summed, expression=num(0)), then=exp.Var(this="DELETE"))]
+    if once:
+        repeats = cast(call("raise_error", string(f"{REPEATS}: a row of the model came to hold more than one copy")),
+                       "BIGINT")
+        whens.append(exp.When(matched=True, condition=exp.GT(this=summed.copy(), expression=num(1)),
+                              then=exp.Update(expressions=[exp.EQ(this=col(COUNT), expression=repeats)])))
+        new_count = case(exp.GT(this=col(COUNT, "s"), expression=num(1)), repeats.copy(), new_count)
+    whens += [
+        exp.When(matched=True, then=exp.Update(expressions=[exp.EQ(this=col(COUNT), expression=summed.copy())])),
         exp.When(matched=False, condition=exp.GT(this=col(COUNT, "s"), expression=num(0)), then=exp.Insert(
             this=exp.Tuple(expressions=col_list(cols) + [col(COUNT)]),
-            expression=exp.Tuple(expressions=col_list(cols, "s") + [col(COUNT, "s")]))),
+            expression=exp.Tuple(expressions=col_list(cols, "s") + [new_count]))),
     ]
     return exp.Merge(this=state_ref(state, "t"), using=aliased(_consolidated(d, cols), "s"),
                      on=nullsafe_on(cols, "t", "s"), whens=exp.Whens(expressions=whens))

@@ -12,7 +12,7 @@ from sqlglot import exp
 
 from dbt_ivm.names import PREFIX
 from dbt_ivm.plan import Plan
-from dbt_ivm.sqltree import aliased, call, case, cast, col, lateral_view, num, select, table
+from dbt_ivm.sqltree import aliased, call, case, cast, col, lateral_view, num, select, string, table
 from dbt_ivm.sqltree import alias as as_
 
 COUNT = f"{PREFIX}count"
@@ -81,3 +81,25 @@ def repeat_rows(count: str) -> exp.Lateral:
     """The LATERAL VIEW that repeats a state row by its multiplicity column."""
     return lateral_view(call("explode", call("sequence", cast(num(1), "BIGINT"), col(count))),
                         f"{PREFIX}e", f"{PREFIX}i")
+
+
+# What a read of a view over rows held once (rows_once) says when a row holds
+# more copies: its state was written by a refresh that repeats rows by their count.
+REPEATS = "IVM_ROW_REPEATS"
+
+
+def rows_once(count: str, state: str) -> exp.Expression:
+    """The condition of a view reading a plain-row state's rows as they are,
+    for a state whose every multiplicity is 1 (Watermark.ones): true on every
+    such row, and an error on a row holding more copies (or none), which the
+    view would otherwise show once, so such a read fails rather than miss a
+    row. The check costs a read a filter on a column of 1s; the repeat it
+    replaces (repeat_rows) costs ~20 % of a read (bench/read_layouts.py).
+
+    >>> from dbt_ivm.sqltree import render
+    >>> print(render(rows_once("__ivm_count", "db.s")))
+    `__ivm_count` = 1 OR RAISE_ERROR('IVM_ROW_REPEATS: a row of db.s holds more than one copy: the view over it is being switched to repeat rows by their count (a concurrent refresh): read it again')
+    """
+    return exp.Or(this=exp.EQ(this=col(count), expression=num(1)), expression=call("raise_error", string(
+        f"{REPEATS}: a row of {state} holds more than one copy: the view over it is being switched to repeat "
+        "rows by their count (a concurrent refresh): read it again")))

@@ -138,12 +138,15 @@ def properties_gone(ctx: Context, old: Optional[Watermark]) -> list:
     return sorted(k for k in ((old.properties or {}) if old is not None else {}) if k not in declared)
 
 
-def view_statement(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict) -> str:
+def view_statement(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict,
+                   ones: bool = False) -> str:
     """The model's relation: a view over the state (folding its layers under
-    the append layout); its properties tell readers where the state is."""
+    the append layout; ``ones``: a plain-row state whose every count is 1,
+    read as its rows are, Watermark.ones); its properties tell readers where
+    the state is."""
     layout = ctx.settings.layout
     folded = apply.folded_state(plan, ctx.state, types) if layout == APPEND else None
-    query = apply.view_query(kind, columns, ctx.state, folded)
+    query = apply.view_query(kind, columns, ctx.state, folded, ones)
     if ctx.view is not None:  # a projection of the state's definition (definition.View)
         query = select(*(item.copy() for item in ctx.view.items)).from_(aliased(query, SOURCE))
         columns = [item.alias for item in ctx.view.items]
@@ -157,23 +160,33 @@ def view_key(statement: str, types: dict) -> str:
     return digest(statement + json.dumps(types, sort_keys=True))
 
 
-def create_view(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict) -> str:
-    """(Re-)create the model's view; returns its key."""
-    statement = view_statement(ctx, plan, kind, columns, types)
-    ctx.ex.query(statement)
-    return view_key(statement, types)
-
-
-def view_in_step(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict) -> Optional[str]:
+def view_in_step(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict,
+                 ones: bool = False) -> Optional[str]:
     """Re-create the model's view where its statement is not the one the
-    watermark recorded (persist_docs' descriptions changed): its new key, or
-    None when it is in step. Statements are compared by key, no query."""
-    statement = view_statement(ctx, plan, kind, columns, types)
+    watermark recorded (persist_docs' descriptions changed, or ``ones`` —
+    the state's counts all 1 after this write, view_statement — is not what
+    it was): its new key, or None when it is in step. Statements are
+    compared by key, no query. Called before a write that keeps or ends
+    ``ones``: a view that repeats rows by their count reads either state."""
+    statement = view_statement(ctx, plan, kind, columns, types, ones)
     key = view_key(statement, types)
     if ctx.watermark is not None and ctx.watermark.view == key and ctx.facts.view_exists:
         return None
     ctx.ex.query(statement)
     return key
+
+
+def view_checked(ctx: Context, plan: Optional[Plan], kind: str, columns: list, types: dict) -> None:
+    """After a rebuild re-created the view to read its rows as they are
+    (Watermark.ones), which it does after its commit: where the state's
+    newest watermark is no longer one whose counts are all 1 (a concurrent
+    refresh's MERGE committed since, having switched the view to repeat rows
+    by their count before its commit, and this view statement came after),
+    the view repeats them again. Between the two statements a read of the
+    view fails (state_rows.rows_once), it never misses a row."""
+    _, now = read_watermark(ctx.ex, ctx.state)
+    if now is None or not now.ones or now.foreign:
+        ctx.ex.query(view_statement(ctx, plan, kind, columns, types))
 
 
 def restate(ctx: Context) -> bool:
@@ -187,7 +200,7 @@ def restate(ctx: Context) -> bool:
         return False
     kind = ctx.plan.kind if ctx.plan is not None else old.kind
     columns = ctx.plan.columns if ctx.plan is not None else list(old.columns)
-    key = view_in_step(ctx, ctx.plan, kind, columns, old.typed())
+    key = view_in_step(ctx, ctx.plan, kind, columns, old.typed(), old.ones)
     declared = dict(ctx.config.properties)
     wanted = {k: v for k, v in declared.items() if (old.properties or {}).get(k) != v}
     gone = properties_gone(ctx, old)
@@ -232,7 +245,7 @@ def watermark(ctx: Context, decision: Decision, sig: str, types: dict, sums: dic
         change_feed=ctx.settings.change_feed, run=ctx.run_id, deletion_vectors=ctx.settings.deletion_vectors,
         recomputed=written.recomputed, thin=written.thin, layout=ctx.settings.layout, started=ctx.started,
         settled=written.settled,
-        rebuild_seconds=old.costs.get("full") if old is not None else None, units=written.units,
+        rebuild_seconds=old.costs.get("full") if old is not None else None, units=written.units, ones=written.ones,
         keyed_layers=True, changes=choice.changes if decision.strategy == INCREMENTAL else None,
         view=written.view_key if written.view_key is not None else (old.view if old else ""),
         replaced=written.replaced if decision.strategy == PARTITION else None,

@@ -142,6 +142,7 @@ class Written:
     """What a strategy's commit records in the watermark beyond the choice."""
 
     units: bool = False  # a plain-row state rebuilt as unit rows (Watermark.units)
+    ones: bool = False  # ... every row of it with count 1, the view reading them as they are (Watermark.ones)
     recomputed: int = 0  # MIN/MAX groups recomputed
     thin: bool = False  # MIN/MAX groups built with their extreme alone (Watermark.thin)
     settled: bool = False  # the state's properties or layout changed

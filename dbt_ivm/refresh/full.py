@@ -72,7 +72,10 @@ def run(ctx: Context) -> Outcome:
     body, kind, columns = state_body(plan, sources, types, sums, pinned)
     if kind != AGGREGATE:
         _check_row_types(types)
-    view = commit.view_statement(ctx, plan, kind, columns, {**types, **sums})
+    # A rebuild writes a plain-row state's rows as unit rows: its view reads
+    # them as they are (Watermark.ones), not repeated by their count.
+    ones = kind == BAG and ctx.settings.layout != APPEND
+    view = commit.view_statement(ctx, plan, kind, columns, {**types, **sums}, ones)
     # The view is re-created only when its statement changed (or it is gone):
     # a CREATE OR REPLACE VIEW costs 0.1–0.9 s, a rebuild's whole budget at
     # small sizes (BENCHMARKS.md).
@@ -90,7 +93,7 @@ def run(ctx: Context) -> Outcome:
     if same:
         commit.set_properties(ctx, old)
     # (a rebuild's cost includes any property change: it is not marked settled)
-    wm = commit.watermark(ctx, decision, sig, types, sums, Written(units=kind == BAG, view_key=key,
+    wm = commit.watermark(ctx, decision, sig, types, sums, Written(units=kind == BAG, ones=ones, view_key=key,
                                                                        thin=aggregate_state.thin_build(plan)))
     # Column names Delta stores only under column mapping, and Delta refuses
     # a CREATE ... AS SELECT with column mapping while a change feed is on:
@@ -112,6 +115,8 @@ def run(ctx: Context) -> Outcome:
         ctx.ex.query(render(set_properties(ctx.state, {"delta.enableChangeDataFeed": "true"})))
     if not (keep_view and same):  # a re-created state table gets a new view too
         ctx.ex.query(view)
+        if ones and state_exists:
+            commit.view_checked(ctx, plan, kind, columns, {**types, **sums})
     return Outcome()
 
 

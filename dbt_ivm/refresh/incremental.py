@@ -22,6 +22,7 @@ from dbt_ivm.refresh.log import FOLDED, Layers, op_metrics
 from dbt_ivm.refresh.values import INCREMENTAL, Decision
 from dbt_ivm.refresh.watermark import delta_conflict
 from dbt_ivm.sqltree import aliased, cache_table, drop_view, insert, named, render, select
+from dbt_ivm.state_rows import REPEATS
 from sqlglot import exp
 
 
@@ -163,16 +164,61 @@ def merge(ctx: Context, shared: _Pieces, window: Window, out: Outcome, change: O
     """The merge layout's one write: the change MERGEd into the state
     (``groups``: MIN/MAX groups recomputed from snapshots, from ``change``)."""
     plan, watermark = ctx.plan, ctx.watermark
+    if plan.kind == BAG:
+        return merge_rows(ctx, shared, window, out)
     merge = apply.merge_statement(plan, ctx.state, window, watermark.typed(), groups, change)
     if merge is None:
         return out
-    consolidated = watermark.units and plan.kind == BAG and consolidate(ctx)
+    key = commit.view_in_step(ctx, plan, plan.kind, plan.columns, watermark.typed())
+    return _merge_once(ctx, shared, out, merge, key, recompute)
+
+
+def merge_rows(ctx: Context, shared: _Pieces, window: Window, out: Outcome) -> Outcome:
+    """The MERGE of a plain-row state. While its every count is 1
+    (Watermark.ones: a rebuild wrote it) its view reads the rows as they are,
+    and the MERGE keeps them so (bag_merge ``once``): nearly always no row
+    comes to hold a second copy (a model with a key never does). If one
+    would, that MERGE fails before it commits (state_rows.REPEATS); then the
+    view repeats rows by their count first — before any write can leave a
+    count above 1, the consolidation of a rebuild's repeated rows included —
+    and the MERGE runs without the guard."""
+    plan, watermark = ctx.plan, ctx.watermark
+    types = watermark.typed()
+    merge = apply.merge_statement(plan, ctx.state, window, types)
+    if merge is None:
+        return out
+    # A rebuild writes a plain-row state as unit rows; the MERGE needs one
+    # row per distinct row (consolidate).
+    repeats = watermark.units and bag_state_repeats(ctx)
+    if watermark.ones and not repeats:
+        key = commit.view_in_step(ctx, plan, plan.kind, plan.columns, types, ones=True)
+        try:
+            return _merge_once(ctx, shared, out, apply.merge_statement(plan, ctx.state, window, types, once=True),
+                               key, ones=True)
+        except Exception as e:
+            if REPEATS not in str(e):
+                raise
+            out.notes.append("a row came to hold more than one copy: the view repeats rows by their count")
+    key = commit.view_in_step(ctx, plan, plan.kind, plan.columns, types)
+    consolidated = repeats and consolidate(ctx)
+    done = _merge_once(ctx, shared, out, merge, key, consolidated=consolidated)
+    if watermark.ones:
+        # A rebuild racing this refresh re-creates the view to read rows as
+        # they are after its own commit, which may land after this one's
+        # switch (commit.view_checked): switched again, after this commit.
+        ctx.ex.query(commit.view_statement(ctx, plan, plan.kind, plan.columns, types))
+    return done
+
+
+def _merge_once(ctx: Context, shared: _Pieces, out: Outcome, merge: exp.Merge, key: Optional[str],
+                recompute: int = 0, consolidated: bool = False, ones: bool = False) -> Outcome:
+    """Run ``merge`` (its source cached first into a big state, _from_cache)."""
     shared.cache()
-    if watermark.written_bytes < CACHED_SOURCE_BYTES:
-        return _merge(ctx, out, merge, recompute, consolidated)
+    if ctx.watermark.written_bytes < CACHED_SOURCE_BYTES:
+        return _merge(ctx, out, merge, recompute, consolidated, key, ones)
     source = f"{PREFIX}source_{ctx.run_id}"
     try:
-        return _merge(ctx, out, _from_cache(ctx, merge, source), recompute, consolidated)
+        return _merge(ctx, out, _from_cache(ctx, merge, source), recompute, consolidated, key, ones)
     finally:
         ctx.ex.query(render(drop_view(source)))
 
@@ -195,13 +241,15 @@ def _from_cache(ctx: Context, merge: exp.Merge, view: str) -> exp.Merge:
     return merge
 
 
-def _merge(ctx: Context, out: Outcome, merge: exp.Merge, recompute: int, consolidated: bool) -> Outcome:
-    """Run ``merge`` as the refresh's one commit, carrying the watermark."""
-    plan, watermark = ctx.plan, ctx.watermark
+def _merge(ctx: Context, out: Outcome, merge: exp.Merge, recompute: int, consolidated: bool, key: Optional[str],
+           ones: bool) -> Outcome:
+    """Run ``merge`` as the refresh's one commit, carrying the watermark
+    (``key``: the view's, where view_in_step re-created it; ``ones``: a
+    plain-row state's counts all 1 after it)."""
+    watermark = ctx.watermark
     settled = commit.set_properties(ctx, watermark)
-    key = commit.view_in_step(ctx, plan, plan.kind, plan.columns, watermark.typed())
     wm = commit.watermark(ctx, Decision(INCREMENTAL), watermark.signature, watermark.columns, watermark.sums,
-                          Written(recomputed=recompute, settled=settled or key is not None, view_key=key))
+                          Written(recomputed=recompute, settled=settled or key is not None, view_key=key, ones=ones))
     # Our MERGE source is small but expensive (deltas joined with snapshots):
     # materialized once, not re-evaluated by each of Delta's passes. A cached
     # source (_from_cache) must be materialized too: Delta refuses to read one
@@ -234,17 +282,21 @@ def _merge(ctx: Context, out: Outcome, merge: exp.Merge, recompute: int, consoli
     return out
 
 
+def bag_state_repeats(ctx: Context) -> bool:
+    """Whether rows of a plain-row state a rebuild wrote as unit rows
+    (Watermark.units) repeat (bag_state.state_repeats, one aggregate over the
+    state's row hashes): the MERGE matches a row on every column and needs one
+    state row per distinct row, so such a state is consolidated first."""
+    return int(ctx.ex.query(render(bag_state.state_repeats(ctx.plan.columns, ctx.state)))[0][0]) > 0
+
+
 def consolidate(ctx: Context) -> bool:
     """Before the first MERGE into a plain-row state a rebuild wrote as unit
-    rows (Watermark.units): the MERGE matches a row on every column and needs
-    one state row per distinct row. Where some repeat (bag_state.state_repeats,
-    one aggregate over the state's row hashes), the state is rewritten consolidated
+    rows whose rows repeat (bag_state_repeats): the state rewritten consolidated
     first, as a maintenance commit (the watermark stays the rebuild's, and
     its flag makes a refresh after a crash here check again). A rebuild thus
     skips grouping every row, and pays it only where rows repeat and a MERGE
     follows (the append layout never needs it)."""
-    if int(ctx.ex.query(render(bag_state.state_repeats(ctx.plan.columns, ctx.state)))[0][0]) == 0:
-        return False
     with commit.maintenance(ctx):
         ctx.ex.query(render(insert(ctx.state, bag_state.consolidated_state(ctx.plan.columns, ctx.state), overwrite=True)))
     return True

@@ -157,9 +157,12 @@ def run(ctx: Context) -> Outcome:
     statement = render(iceberg_state.replace_partitions(ctx.state, rows, change.column, where)
                        if ctx.config.iceberg else insert(ctx.state, rows, replace_where=where))
     settled = commit.set_properties(ctx, watermark)
-    key = commit.view_in_step(ctx, ctx.plan, kind, columns, watermark.typed())
+    # The partitions replaced get unit rows, the others keep theirs: the
+    # view's rows stay as they are where every count was 1 (Watermark.ones).
+    ones = watermark.ones and kind == BAG
+    key = commit.view_in_step(ctx, ctx.plan, kind, columns, watermark.typed(), ones)
     wm = commit.watermark(ctx, Decision(PARTITION, ctx.decision.reason), watermark.signature, watermark.columns,
-                          watermark.sums, Written(units=kind == BAG, settled=settled or key is not None,
+                          watermark.sums, Written(units=kind == BAG, ones=ones, settled=settled or key is not None,
                                                   thin=aggregate_state.thin_build(ctx.plan),
                                                   replaced=len(change.values), view_key=key))
     with commit.committing(ctx, wm, watermark.commit_version):

@@ -70,6 +70,8 @@ class Watermark:
     settled: bool = False  # its refresh first changed the state's properties or layout (one-off work: see measured_costs)
     units: bool = False  # its rebuild wrote a plain-row state's rows as they came: under the merge layout one may
     # repeat, and the next MERGE consolidates them first (incremental.consolidate)
+    ones: bool = False  # every row of its plain-row state (merge layout) has count 1, as a rebuild writes them
+    # and no MERGE since: the view reads the rows as they are (apply.view_query), not repeated by their count
     view_sql: str = ""  # the model's SQL where its view is a projection of the state's (definition.View)
     properties: Optional[dict] = None  # the model's tblproperties set on the state (None: written before they were)
     keyed_layers: bool = False  # written by a dbt-ivm whose aggregate layers carry their visible key columns

@@ -338,8 +338,11 @@ def test_a_rebuild_writes_plain_rows_as_they_come_and_a_merge_consolidates_repea
     result, writes = refresh_once(False)
     assert result.strategy == "CREATE" and len(writes) == 1 and "GROUP BY" not in writes[0], writes
     sql(f"insert into {SRC}.u values (1, 'g1'), (2, 'g2'), (2, 'g2')")  # copies of rows
-    result, writes = refresh_once(False)  # the state's rows do not repeat: no rewrite before the MERGE
-    assert result.strategy == "INCREMENTAL" and [w.split()[0] for w in writes] == ["MERGE"], writes
+    # The state's rows do not repeat: no rewrite before the MERGE. The first
+    # MERGE keeps every count 1 (Watermark.ones) and fails on the copies; the
+    # second repeats rows by their count.
+    result, writes = refresh_once(False)
+    assert result.strategy == "INCREMENTAL" and [w.split()[0] for w in writes] == ["MERGE", "MERGE"], writes
     assert "consolidated" not in result.rows and _state_rows("u_rows") == 49
     result, writes = refresh_once(True)
     assert result.strategy == "FULL" and "GROUP BY" not in writes[0], writes
@@ -356,3 +359,70 @@ def test_a_rebuild_writes_plain_rows_as_they_come_and_a_merge_consolidates_repea
     sql(f"insert into {SRC}.u values (3, 'g0')")
     result, writes = refresh_once(False)  # the MERGE's watermark says the state is consolidated: no check
     assert result.strategy == "INCREMENTAL" and [w.split()[0] for w in writes] == ["MERGE"], writes
+
+
+def _view_text(name: str) -> str:
+    return sql(f"show create table {OUT}.{name}")[0][0]
+
+
+def _ones(name: str) -> bool:
+    return refresh.read_watermark(SessionExecutor(), f"{OUT}.{name}__ivm_state")[1].ones
+
+
+def test_a_plain_row_view_reads_its_rows_as_they_are_while_every_count_is_1(project):
+    """A rebuild writes a plain-row state with every count 1 (Watermark.ones),
+    and the view reads those rows as they are: no generator repeating each by
+    its count (~20 % of a read), only a check that fails a read rather than
+    miss a copy. A MERGE keeps the counts at 1 while no row comes to hold a
+    second copy; the first that would fails before it commits, the view is
+    switched to repeat rows before the MERGE runs again without the guard; a
+    rebuild switches it back. Every step is compared with a full recompute."""
+    sql(f"create schema if not exists {OUT}")
+    sql(f"create table {SRC}.once (id int, g string) using delta tblproperties (delta.enableChangeDataFeed = true)")
+    sql(f"insert into {SRC}.once select id, concat('g', id % 4) from range(0, 40)")
+    text = f"select id as r, g from {SRC}.once where id < 20 or id >= 30"  # unique rows so far
+    config = {"ivm_state_layout": "merge", "ivm_cost_rule": "off"}
+
+    def step(full: bool = False):
+        ex = RecordingExecutor()
+        result = refresh.refresh(ex, text, f"{OUT}.once_rows", config, full)
+        assert check_model(f"{OUT}.once_rows", text) is None
+        kinds = [s.split()[0] + (" VIEW" if s.startswith("CREATE OR REPLACE VIEW") else "") for s in ex.statements
+                 if s.startswith(("CREATE TABLE", "INSERT OVERWRITE", "MERGE", "CREATE OR REPLACE VIEW"))]
+        return result, kinds
+
+    result, kinds = step()
+    assert result.strategy == "CREATE" and _ones("once_rows"), kinds
+    view = _view_text("once_rows").upper()
+    assert "EXPLODE" not in view and "IVM_ROW_REPEATS" in view, view
+    # new rows, a row gone, a row changed: no row holds two copies, the view stays as it is
+    sql(f"insert into {SRC}.once values (50, 'g9'), (51, 'g9')")
+    sql(f"delete from {SRC}.once where id = 3")
+    sql(f"update {SRC}.once set g = 'g7' where id = 5")
+    result, kinds = step()
+    assert result.strategy == "INCREMENTAL" and kinds == ["MERGE"] and _ones("once_rows"), kinds
+    # a second copy of a row (16, g0): the guarded MERGE fails, the view is switched to repeat rows,
+    # the MERGE runs again, and the view is put to repeating after it too
+    sql(f"insert into {SRC}.once values (16, 'g0')")
+    result, kinds = step()
+    assert result.strategy == "INCREMENTAL" and kinds == ["MERGE", "CREATE VIEW", "MERGE", "CREATE VIEW"], kinds
+    assert any("more than one copy" in n for n in result.notes), result.notes
+    assert not _ones("once_rows") and "EXPLODE" in _view_text("once_rows").upper()
+    assert sql(f"select count(*) from {OUT}.once_rows where r = 16 and g = 'g0'")[0][0] == 2
+    sql(f"insert into {SRC}.once values (60, 'g5')")
+    result, kinds = step()  # counts may be above 1 now: one MERGE, the view as it is
+    assert result.strategy == "INCREMENTAL" and kinds == ["MERGE"], kinds
+    result, kinds = step(full=True)  # a rebuild: unit rows again, the view reads them as they are
+    assert result.strategy == "FULL" and kinds == ["INSERT", "CREATE VIEW"] and _ones("once_rows"), kinds
+    assert "EXPLODE" not in _view_text("once_rows").upper()
+    # the rebuilt state holds (16, g0) twice as unit rows: the MERGE after it consolidates them first,
+    # and the view repeats rows by their count before that rewrite
+    sql(f"insert into {SRC}.once values (61, 'g5')")
+    result, kinds = step()
+    assert result.rows.get("consolidated") == 1 and kinds == ["CREATE VIEW", "INSERT", "MERGE", "CREATE VIEW"], kinds
+    assert not _ones("once_rows") and "EXPLODE" in _view_text("once_rows").upper()
+    step(full=True)
+    # a state row made to hold two copies by hand: a read of the view fails, it does not show one copy
+    sql(f"update {OUT}.once_rows__ivm_state set __ivm_count = 2 where r = 1")
+    with pytest.raises(Exception, match="IVM_ROW_REPEATS"):
+        sql(f"select count(*) from {OUT}.once_rows")
