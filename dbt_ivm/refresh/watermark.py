@@ -71,7 +71,7 @@ class Watermark:
     units: bool = False  # its rebuild wrote a plain-row state's rows as they came: under the merge layout one may
     # repeat, and the next MERGE consolidates them first (incremental.consolidate)
     ones: bool = False  # every row of its plain-row state (merge layout) has count 1, as a rebuild writes them
-    # and no MERGE since: the view reads the rows as they are (apply.view_query), not repeated by their count
+    # and a guarded MERGE keeps them: the view reads the rows as they are (apply.view_query), not repeated
     view_sql: str = ""  # the model's SQL where its view is a projection of the state's (definition.View)
     properties: Optional[dict] = None  # the model's tblproperties set on the state (None: written before they were)
     keyed_layers: bool = False  # written by a dbt-ivm whose aggregate layers carry their visible key columns
