@@ -96,6 +96,18 @@ def test_a_source_described_from_its_snapshot_equals_the_statements(project):
     assert tuple(p.lower() for p in partitions) == slow.partitions == ("p",)
     assert cdf is slow.cdf is True and int(rows[0][0]) == slow.version
     assert commit_stamps(rows) == slow.stamps
+    # a flat schema is read from its JSON in one call, a nested one field by field: both as the statements say
+    flat = f"{SRC}.flat"
+    sql(f"create table {flat} (K bigint, i int, s smallint, b tinyint, d decimal(12, 2), x double, f float, "
+        "str string, bin binary, ok boolean, dt date, ts timestamp, ntz timestamp_ntz, P date) using delta "
+        "partitioned by (P)")
+    fast = delta_log.source(spark(), f"`{SRC}`.`flat`", HISTORY_DEPTH)
+    assert tuple((c.lower(), ty) for c, ty in fast[0]) == describe_source(SessionExecutor(), f"`{SRC}`.`flat`").columns
+    # the commits of a version range, and none where a commit file is not there
+    newest = int(rows[0][0])
+    texts = delta_log.commits(spark(), name, 0, newest)
+    assert len(texts) == newest + 1 and all('"commitInfo"' in t for t in texts)
+    assert delta_log.commits(spark(), name, newest, newest + 1) is None
     sql(f"create table {SRC}.chars (k int, c varchar(5)) using delta")
     assert delta_log.source(spark(), f"`{SRC}`.`chars`", HISTORY_DEPTH) is None
     sql(f"create table {SRC}.nofeed (k int) using delta tblproperties (delta.enableChangeDataFeed = false)")

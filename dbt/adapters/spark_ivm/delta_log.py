@@ -37,18 +37,43 @@ def _parts(table: str) -> Optional[list[str]]:
         return None
 
 
+class _Members:
+    """The JVM classes and static members this module calls, looked up once
+    per JVM. py4j asks the JVM about every name on the way to one
+    (``jvm.org.apache.spark.sql.delta.DeltaLog.forTable`` is seven round trips
+    before the call), and at ~0.3 ms a round trip the lookups were most of a
+    log read's 40-65 ms."""
+
+    def __init__(self, jvm):
+        self.jvm = jvm
+        self.ident = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply
+        self.some = jvm.scala.Option.apply
+        self.none = jvm.scala.Option.empty()
+        self.for_table = jvm.org.apache.spark.sql.delta.DeltaLog.forTable
+        self.path = jvm.org.apache.hadoop.fs.Path
+
+
+_MEMBERS: list = []  # the _Members of the JVM last seen (a new session may start a new one)
+
+
+def _members(session) -> _Members:
+    jvm = session._jvm
+    if not _MEMBERS or _MEMBERS[0].jvm is not jvm:
+        _MEMBERS[:] = [_Members(jvm)]
+    return _MEMBERS[0]
+
+
 def _delta_log(session, table: str):
-    """(jvm, DeltaLog) of a Delta table of the session's catalog, or None."""
+    """(members, DeltaLog) of a Delta table of the session's catalog, or None."""
     names = _parts(table)
     if not names or len(names) not in (2, 3) or (len(names) == 3 and names[0] != "spark_catalog"):
         return None
-    jvm, js = session._jvm, session._jsparkSession
-    ident = jvm.org.apache.spark.sql.catalyst.TableIdentifier.apply(names[-1], jvm.scala.Option.apply(names[-2]))
-    meta = js.sessionState().catalog().getTableMetadata(ident)
+    m, js = _members(session), session._jsparkSession
+    meta = js.sessionState().catalog().getTableMetadata(m.ident(names[-1], m.some(names[-2])))
     if str(meta.provider().getOrElse(None) or "").lower() != "delta":
         return None
     # from the metadata read above: forTable(ident) would read it again (~10 ms)
-    return jvm, jvm.org.apache.spark.sql.delta.DeltaLog.forTable(js, meta)
+    return m, m.for_table(js, meta)
 
 
 def tables_present(session, tables: list[str]) -> Optional[set]:
@@ -75,12 +100,12 @@ def tables_present(session, tables: list[str]) -> Optional[set]:
 
 
 def _snapshot(session, table: str):
-    """(jvm, DeltaLog, its current Snapshot) of a Delta table, or None."""
+    """(members, DeltaLog, its current Snapshot) of a Delta table, or None."""
     found = _delta_log(session, table)
     if found is None:
         return None
-    jvm, log = found
-    return jvm, log, log.update(False, jvm.scala.Option.empty(), jvm.scala.Option.empty())
+    m, log = found
+    return m, log, log.update(False, m.none, m.none)
 
 
 def history(session, table: str, limit: Optional[int], since: Optional[int] = None) -> Optional[list[tuple]]:
@@ -110,17 +135,15 @@ def source(session, table: str, limit: Optional[int], since: Optional[int] = Non
         found = _snapshot(session, table)
         if found is None:
             return None
-        jvm, log, snapshot = found
-        columns = []
-        for field in snapshot.schema().fields():
-            if field.metadata().contains(_CHAR_VARCHAR):
-                return None
-            columns.append((str(field.name()), str(field.dataType().simpleString())))
+        m, log, snapshot = found
+        columns = _columns(snapshot)
+        if columns is None:
+            return None
         meta = snapshot.metadata()
         parts = meta.partitionColumns()
         partitions = [str(parts.apply(i)) for i in range(parts.size())]
         cdf = str(meta.configuration().get("delta.enableChangeDataFeed").getOrElse(None) or "false")
-        rows = _history(jvm, log, snapshot, limit, since)
+        rows = _history(m, log, snapshot, limit, since)
         if rows is None:
             return None
         return columns, partitions, cdf.lower() == "true", rows
@@ -128,30 +151,72 @@ def source(session, table: str, limit: Optional[int], since: Optional[int] = Non
         return None
 
 
-def _history(jvm, log, snapshot, limit: Optional[int], since: Optional[int]) -> Optional[list[tuple]]:
+def _columns(snapshot) -> Optional[list[tuple[str, str]]]:
+    """(name, DESCRIBE's type) of each column of a snapshot's schema, from its
+    JSON (one call, where asking each field its name and type took three).
+    A schema with a nested type or a field's own metadata of Spark's
+    (``__CHAR_VARCHAR_TYPE_STRING``, ``__COLLATIONS``) is read field by field,
+    as the JVM renders it; None where a column is CHAR/VARCHAR."""
+    from pyspark.sql.types import StructType
+
+    schema = json.loads(snapshot.schema().json())
+    flat = all(isinstance(f.get("type"), str) and not any(k.startswith("__") for k in (f.get("metadata") or {}))
+               for f in schema.get("fields", []))
+    if flat:
+        try:
+            return [(f.name, f.dataType.simpleString()) for f in StructType.fromJson(schema).fields]
+        except Exception:  # noqa: BLE001 - a type this pyspark does not parse: the JVM renders it
+            pass
+    columns = []
+    for field in snapshot.schema().fields():
+        if field.metadata().contains(_CHAR_VARCHAR):
+            return None
+        columns.append((str(field.name()), str(field.dataType().simpleString())))
+    return columns
+
+
+def _history(m: _Members, log, snapshot, limit: Optional[int], since: Optional[int]) -> Optional[list[tuple]]:
     try:
         newest = int(snapshot.version())
         if newest < 0:
             return None
         conf = log.newDeltaHadoopConf()
-        fs = log.logPath().getFileSystem(conf)
+        log_path = log.logPath()
         store = log.store()
+        fs = None
         rows = []
         oldest = 0 if not limit else max(newest - int(limit) + 1, 0)
         if since is not None:
             oldest = max(oldest, min(int(since), newest))
         for version in range(newest, oldest - 1, -1):
-            path = jvm.org.apache.hadoop.fs.Path(log.logPath(), f"{version:020d}.json")
-            if not fs.exists(path):
+            path = m.path(log_path, f"{version:020d}.json")
+            text = _read(store, path, conf)
+            if text is None:
                 break  # cleaned up: the history ends here, as DESCRIBE HISTORY's does
-            info = _commit_info(store.read(path, conf).mkString("\n"))
+            info = _commit_info(text)
             if info is None:
                 return None
-            stamp_ms = info.get("inCommitTimestamp") or fs.getFileStatus(path).getModificationTime()
+            stamp_ms = info.get("inCommitTimestamp")
+            if stamp_ms is None:
+                fs = fs or log_path.getFileSystem(conf)
+                stamp_ms = fs.getFileStatus(path).getModificationTime()
             rows.append(_row(version, stamp_ms, info))
         return rows
     except Exception:  # noqa: BLE001 - any failure here: the statement reads it instead
         return None
+
+
+def _read(store, path, conf) -> Optional[str]:
+    """A log file's text through Delta's LogStore; None where it is gone (no
+    existence check first: one round trip fewer a commit)."""
+    from py4j.protocol import Py4JJavaError
+
+    try:
+        return store.read(path, conf).mkString("\n")
+    except Py4JJavaError as e:
+        if "FileNotFoundException" in str(e.java_exception.getClass().getName()):
+            return None
+        raise
 
 
 def commits(session, table: str, first: int, last: int) -> Optional[list[str]]:
@@ -162,15 +227,14 @@ def commits(session, table: str, first: int, last: int) -> Optional[list[str]]:
         found = _delta_log(session, table)
         if found is None:
             return None
-        jvm, log = found
-        conf = log.newDeltaHadoopConf()
-        fs = log.logPath().getFileSystem(conf)
+        m, log = found
+        conf, log_path, store = log.newDeltaHadoopConf(), log.logPath(), log.store()
         out = []
         for version in range(first, last + 1):
-            path = jvm.org.apache.hadoop.fs.Path(log.logPath(), f"{version:020d}.json")
-            if not fs.exists(path):
+            text = _read(store, m.path(log_path, f"{version:020d}.json"), conf)
+            if text is None:
                 return None
-            out.append(log.store().read(path, conf).mkString("\n"))
+            out.append(text)
         return out
     except Exception:  # noqa: BLE001 - the statement reads them instead
         return None
@@ -199,8 +263,8 @@ def list_files(session, location: str) -> Optional[list[tuple]]:
     location, listed through Hadoop's file system (no file opened); None on
     any failure."""
     try:
-        jvm, js = session._jvm, session._jsparkSession
-        path = jvm.org.apache.hadoop.fs.Path(location)
+        js = session._jsparkSession
+        path = _members(session).path(location)
         fs = path.getFileSystem(js.sessionState().newHadoopConf())
         it = fs.listFiles(path, True)
         out = []
