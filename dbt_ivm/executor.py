@@ -65,6 +65,12 @@ class Executor(ABC):
         counted by a query (partition.count_partitions)."""
         return None
 
+    def delta_snapshot_state(self, tables: list[str]) -> None:
+        """Have Delta compute the state (file count, size, transactions) of
+        these tables' current snapshots before a statement reads them at that
+        version (refresher.ready_sources); not offered: the statement does."""
+        return None
+
     def tables_present(self, tables: list[str]) -> Optional[set]:
         """Which of ``tables`` (canonical names) exist, asked of the catalog
         directly; None: a SHOW TABLES finds them (facts.relations_present)."""

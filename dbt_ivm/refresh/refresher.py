@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import Optional, Union
 
+from dbt_ivm.catalog import DELTA, MV
 from dbt_ivm.config import Config
 from dbt_ivm.model import Model
 from dbt_ivm.names import canonical, display
@@ -122,6 +123,8 @@ def _apply(ctx: Context, result: Result) -> Context:
     """Run the decided strategy (falling back where the change feed turns out
     gone) and fold its outcome into ``result``; returns the context it ran in."""
     decision = ctx.decision
+    if decision.strategy != NOOP:
+        ready_sources(ctx)
     if decision.strategy == INCREMENTAL:
         small = sum(result.sizes.values()) <= BROADCAST_ROWS
         try:
@@ -147,6 +150,16 @@ def _apply(ctx: Context, result: Result) -> Context:
     if decision.strategy == NOOP and ctx.facts.state_exists and commit.restate(ctx):
         result.applied = "ALTER"
     return ctx
+
+
+def ready_sources(ctx: Context) -> None:
+    """Before a write reads the Delta sources (an upstream model: its state)
+    at their current versions: their snapshots' state computed first, where
+    the executor offers it (Executor.delta_snapshot_state: at the write's
+    start it cost more)."""
+    tables = [s.physical for s in ctx.sources if s.kind in (DELTA, MV) and s.version is not None]
+    if tables:
+        ctx.ex.delta_snapshot_state(list(dict.fromkeys(tables)))
 
 
 # Rebuilds for a changed definition: dbt's REPLACE of a materialized view.

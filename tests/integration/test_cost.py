@@ -115,6 +115,9 @@ def test_a_source_described_from_its_snapshot_equals_the_statements(project):
     assert describe_source(SessionExecutor(), f"`{SRC}`.`nofeed`").cdf is False
     sql(f"create table {SRC}.pq2 (k int) using parquet")
     assert delta_log.source(spark(), f"`{SRC}`.`pq2`", 1) is None
+    # a snapshot's state computed ahead of a pinned read: a Delta table's only
+    assert delta_log.snapshot_state(spark(), name) is True
+    assert delta_log.snapshot_state(spark(), f"`{SRC}`.`pq2`") is None
 
 
 def test_cost_rule_follows_the_measured_costs(project):

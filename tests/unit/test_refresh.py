@@ -1049,3 +1049,35 @@ def test_a_delta_source_read_from_its_snapshot_runs_no_statement():
     assert ex.sql == [] and s.kind == DELTA and s.cdf and s.version == 3
     assert s.columns == (("k", "int"), ("d", "date")) and s.partitions == ("d",)
     assert dict(s.stamps).get(3) is not None  # the source-replaced check reads these
+
+
+def test_a_write_has_the_delta_snapshots_it_reads_computed_first():
+    """ready_sources: the Delta tables a strategy reads at their versions
+    (an upstream model: its state), each once; not a source of another
+    format, nor one without a version."""
+    from types import SimpleNamespace
+
+    from dbt_ivm.catalog import MV
+    from dbt_ivm.refresh.refresher import ready_sources
+
+    class Asked(Executor):
+        def __init__(self):
+            self.asked = []
+
+        def query(self, sql):
+            raise AssertionError(sql)
+
+        def delta_snapshot_state(self, tables):
+            self.asked.append(tables)
+
+    sources = (Source(name="db.a", columns=(("k", "int"),), kind=DELTA, version=3, cdf=True),
+               Source(name="db.up", columns=(("k", "int"),), kind=MV, version=7, cdf=True, state_table="db.up__ivm_state"),
+               Source(name="db.a", columns=(("k", "int"),), kind=DELTA, version=3, cdf=True),  # a self-join
+               Source(name="db.pq", columns=(("k", "int"),), kind=OTHER, cdf=False),
+               Source(name="db.new", columns=(("k", "int"),), kind=DELTA, version=None, cdf=True))
+    ex = Asked()
+    ready_sources(SimpleNamespace(ex=ex, sources=sources))
+    assert ex.asked == [["`db`.`a`", "`db`.`up__ivm_state`"]]
+    ex.asked.clear()
+    ready_sources(SimpleNamespace(ex=ex, sources=sources[3:]))
+    assert ex.asked == []

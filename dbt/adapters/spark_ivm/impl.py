@@ -125,6 +125,13 @@ class _Executor(Executor):
         self.timings.append((round(time.time() - start, 3), f"(delta log) partitions {table}"))
         return count
 
+    def delta_snapshot_state(self, tables: list[str]) -> None:
+        """The snapshots' state computed ahead of a pinned read (delta_log.snapshot_state)."""
+        from dbt.adapters.spark_ivm.delta_log import snapshot_state
+
+        for table in tables:
+            self._from_log(lambda s: snapshot_state(s, table), lambda _: f"snapshot state {table}")
+
     def tables_present(self, tables: list[str]) -> Optional[set]:
         """Which of ``tables`` exist, from the embedded session's catalog
         (delta_log.tables_present); None where SHOW TABLES answers."""
