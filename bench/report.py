@@ -48,7 +48,7 @@ CURRENT = ("s26_small.json", "s26_fix_small.json", "s26_10m.json", "s26_10m_1pct
            "s27_10m_001pct.json", "s27_10m_10pct.json", "s29_1m.json", "s29_10m.json", "s29_minmax_thin.json",
            "s29_10m_rows.json", "grid-100m.json", "s30.json", "s31_1m.json", "s32_1m.json", "s33_1m.json",
            "s35_1m.json", "s35_10m.json", "s36_1m.json", "s36_10m.json", "s38_1m.json", "s38_10m.json", "s39_100k.json",
-           "s39_10m_rows_b.json", "s40_1m.json", "s42_1m.json", "s42_10m_rows.json")
+           "s39_10m_rows_b.json", "s40_1m.json", "s42_1m.json", "s42_10m_rows.json", "s43_1m_c.json")
 # The fallback chain on a partitioned source (bench/partition.py): file, the command that made it.
 PARTITION_CURRENT = (
     ("partition-1m-s22c.json", "./run bench-partition (1 M rows over 30 days, 5 timed rounds per change: "

@@ -154,10 +154,13 @@ def _apply(ctx: Context, result: Result) -> Context:
 
 def ready_sources(ctx: Context) -> None:
     """Before a write reads the Delta sources (an upstream model: its state)
-    at their current versions: their snapshots' state computed first, where
+    at their current versions and replaces the state's files: those
+    snapshots' state computed first, where
     the executor offers it (Executor.delta_snapshot_state: at the write's
     start it cost more)."""
     tables = [s.physical for s in ctx.sources if s.kind in (DELTA, MV) and s.version is not None]
+    if ctx.facts.state_exists:
+        tables.append(ctx.state)  # a rebuild lists its files to remove them, a MERGE to rewrite them
     if tables:
         ctx.ex.delta_snapshot_state(list(dict.fromkeys(tables)))
 

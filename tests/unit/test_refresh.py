@@ -1053,8 +1053,8 @@ def test_a_delta_source_read_from_its_snapshot_runs_no_statement():
 
 def test_a_write_has_the_delta_snapshots_it_reads_computed_first():
     """ready_sources: the Delta tables a strategy reads at their versions
-    (an upstream model: its state), each once; not a source of another
-    format, nor one without a version."""
+    (an upstream model: its state) and the model's state once it exists,
+    each once; not a source of another format, nor one without a version."""
     from types import SimpleNamespace
 
     from dbt_ivm.catalog import MV
@@ -1076,8 +1076,13 @@ def test_a_write_has_the_delta_snapshots_it_reads_computed_first():
                Source(name="db.pq", columns=(("k", "int"),), kind=OTHER, cdf=False),
                Source(name="db.new", columns=(("k", "int"),), kind=DELTA, version=None, cdf=True))
     ex = Asked()
-    ready_sources(SimpleNamespace(ex=ex, sources=sources))
+    facts = SimpleNamespace(state_exists=False)
+    ready_sources(SimpleNamespace(ex=ex, sources=sources, facts=facts, state="`db`.`m__ivm_state`"))
     assert ex.asked == [["`db`.`a`", "`db`.`up__ivm_state`"]]
     ex.asked.clear()
-    ready_sources(SimpleNamespace(ex=ex, sources=sources[3:]))
+    ready_sources(SimpleNamespace(ex=ex, sources=sources[3:], facts=facts, state="`db`.`m__ivm_state`"))
     assert ex.asked == []
+    # the state too, once it exists: the write replaces its files
+    ready_sources(SimpleNamespace(ex=ex, sources=sources[:1], facts=SimpleNamespace(state_exists=True),
+                                  state="`db`.`m__ivm_state`"))
+    assert ex.asked == [["`db`.`a`", "`db`.`m__ivm_state`"]]
