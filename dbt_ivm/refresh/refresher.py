@@ -123,7 +123,7 @@ def _apply(ctx: Context, result: Result) -> Context:
     """Run the decided strategy (falling back where the change feed turns out
     gone) and fold its outcome into ``result``; returns the context it ran in."""
     decision = ctx.decision
-    if decision.strategy != NOOP:
+    if decision.strategy in (CREATE, FULL, PARTITION):
         ready_sources(ctx)
     if decision.strategy == INCREMENTAL:
         small = sum(result.sizes.values()) <= BROADCAST_ROWS
@@ -153,11 +153,12 @@ def _apply(ctx: Context, result: Result) -> Context:
 
 
 def ready_sources(ctx: Context) -> None:
-    """Before a write reads the Delta sources (an upstream model: its state)
-    at their current versions and replaces the state's files: those
-    snapshots' state computed first, where
-    the executor offers it (Executor.delta_snapshot_state: at the write's
-    start it cost more)."""
+    """Before a rebuild reads the Delta sources (an upstream model: its
+    state) at their current versions and replaces the state's files: those
+    snapshots' state computed first, where the executor offers it
+    (Executor.delta_snapshot_state; inside the write it cost more). Not
+    before an INCREMENTAL: a change-feed read does not need it, and the
+    MERGE path was not measured with it."""
     tables = [s.physical for s in ctx.sources if s.kind in (DELTA, MV) and s.version is not None]
     if ctx.facts.state_exists:
         tables.append(ctx.state)  # a rebuild lists its files to remove them, a MERGE to rewrite them
