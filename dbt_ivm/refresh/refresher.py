@@ -26,16 +26,13 @@ from dbt_ivm.model import Model
 from dbt_ivm.names import canonical, display
 from dbt_ivm.refresh import chain, commit, definition, full, history, iceberg_state, incremental, partition
 from dbt_ivm.refresh.context import Context, Docs, Outcome
+from dbt_ivm.refresh.decide import BROADCAST_ROWS
 from dbt_ivm.executor import Executor
 from dbt_ivm.refresh.facts import spark_target
 from dbt_ivm.refresh.measure import Measures, find_state, gather, read_state
 from dbt_ivm.sqltree import drop_table, render
 from dbt_ivm.refresh.values import CREATE, FULL, INCREMENTAL, NOOP, PARTITION, Result
 from dbt_ivm.refresh.watermark import delta_conflict, read_watermark, state_name
-
-
-# Changes up to this many rows are broadcast into joins (see delta.Window.broadcast).
-BROADCAST_ROWS = 500_000
 
 
 def refresh(ex: Executor, model: Union[str, Model], relation: str, config: Union[dict, Config],
