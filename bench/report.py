@@ -38,17 +38,15 @@ GOAL_SLACK_S = 0.2
 SCALING_CHANGE = 10_000
 
 # The current grid: bench.py runs of 100 k / 1 M / 10 M rows x 0.01-10 % change,
-# read in this order with --supersede (s26_fix_small's 0.1 % cells at 100 k and 1 M,
-# measured on later code, replace s26_small's; the s29 files' 0.1 % cells at 1 M and
-# 10 M, on the code that keeps aggregates merged and builds MIN/MAX top-1, replace
-# theirs: s29_10m's plain-row shapes ran merged, s29_10m_rows's as auto keeps them).
-# grid-100m: the 100 M cells, resumed run by run (./run bench --sizes 100m ... --resume).
+# read in this order with --supersede (a later file's cells replace an earlier's).
+# s26_small and s26_10m hold the insert-only cells (a hand-written dbt incremental
+# model beside the table; 2026-11-27's code), their other cells replaced by the
+# s44 runs (2026-12-02); s44_10m_10pct: the 10 M 10 % cells again after the cost
+# rule's broadcast bound (decide.BROADCAST_ROWS). grid-100m: the 100 M cells,
+# resumed run by run (./run bench --sizes 100m ... --resume).
 RESULTS = HERE / "results"
-CURRENT = ("s26_small.json", "s26_fix_small.json", "s26_10m.json", "s26_10m_1pct.json",
-           "s27_10m_001pct.json", "s27_10m_10pct.json", "s29_1m.json", "s29_10m.json", "s29_minmax_thin.json",
-           "s29_10m_rows.json", "grid-100m.json", "s30.json", "s31_1m.json", "s32_1m.json", "s33_1m.json",
-           "s35_1m.json", "s35_10m.json", "s36_1m.json", "s36_10m.json", "s38_1m.json", "s38_10m.json", "s39_100k.json",
-           "s39_10m_rows_b.json", "s40_1m.json", "s42_1m.json", "s42_10m_rows.json", "s43_1m_c.json")
+CURRENT = ("s26_small.json", "s26_10m.json", "grid-100m.json", "s44_100k.json", "s44_1m_grid.json",
+           "s44_10m_grid.json", "s44_10m_10pct.json")
 # The fallback chain on a partitioned source (bench/partition.py): file, the command that made it.
 PARTITION_CURRENT = (
     ("partition-1m-s22c.json", "./run bench-partition (1 M rows over 30 days, 5 timed rounds per change: "

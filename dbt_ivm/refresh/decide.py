@@ -301,7 +301,10 @@ def cheapest(candidates: list, est: dict, costs: dict, changes: Optional[int] = 
     is not worth paying again; the measurement ages out of the 20 commits
     read, and INCREMENTAL is tried again then) and the change (``changes``
     rows) is within RETRY_GROWTH of the largest measured (of SMALL_CHANGE
-    with none measured among the commits read: _retry). An INCREMENTAL not
+    with none measured among the commits read: _retry). For a change of more
+    than BROADCAST_ROWS, with none that large measured (_beyond_measured),
+    INCREMENTAL is taken only where estimated at 1/RETRY_WITHIN of the
+    cheapest other, and not retried. An INCREMENTAL not
     measured yet (its estimate a prior) gives way to a rebuild only while no
     partition refresh was measured either: it is taken once to measure it
     rather than a partition refresh whose estimate is a share of the
