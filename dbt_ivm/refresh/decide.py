@@ -337,10 +337,13 @@ def cheapest(candidates: list, est: dict, costs: dict, changes: Optional[int] = 
     known = [c for c in candidates if c in est]
     if first not in est or len(known) < 2:
         return first, None
-    best = min(known, key=lambda c: (est[c][0], candidates.index(c)))
+    def rank(c: str) -> tuple:
+        return est[c][0], candidates.index(c)
+
+    best = min(known, key=rank)
     unmeasured = first == INCREMENTAL and _beyond_measured(costs, changes)
     if best == first and unmeasured:
-        other = min((c for c in known if c != first), key=lambda c: (est[c][0], candidates.index(c)))
+        other = min((c for c in known if c != first), key=rank)
         if est[first][0] * RETRY_WITHIN > est[other][0]:
             best = other
     if best == first:
