@@ -32,6 +32,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -81,6 +82,9 @@ def parse_args() -> argparse.Namespace:
                         "finishes; the workspace a stopped run left (its sources, models and round) is reused when "
                         "it is there, else the data is generated again (it is deterministic)")
     p.add_argument("--timings", action="store_true", help="print every SQL statement's time (DBT_IVM_TIMINGS=1)")
+    p.add_argument("--gc-log", action="store_true",
+                   help="log the JVM's garbage collections (<workspace>/gc.log) and record in each cell the GC "
+                        "pause and concurrent-cycle seconds that fell within each model's time (gc_mv, gc_table)")
     p.add_argument("--policy", default="auto", choices=("auto", "incremental"),
                    help="ivm_policy of the incremental_mv models: auto (the cost rule may rebuild) or incremental "
                         "(every refresh on the incremental path: what it costs, whatever auto would choose)")
@@ -116,6 +120,14 @@ class Bench:
         self.shapes = [BY_NAME[n] for n in args.shapes]
         self.spark = None
         self.problems: list[str] = []
+        self.windows: dict = {"mv": {}, "table": {}, "inc": {}}  # kind -> model -> its last execution (epoch s)
+        self.gc = GcLog(self.workspace / "gc.log") if args.gc_log else None
+
+    def gc_seconds(self, kind: str, name: str) -> Optional[list]:
+        """[pause s, concurrent-cycle s] of the JVM's collections within the model's
+        last execution (--gc-log), else None."""
+        window = self.windows[kind].get(name)
+        return self.gc.within(*window) if self.gc is not None and window else None
 
     # -- workspace, Spark, dbt project
 
@@ -132,6 +144,9 @@ class Bench:
         self.write_project()
         from dbt.adapters.spark_ivm.connections import default_spark_conf, spark_session
 
+        if self.gc is not None:  # read by the JVM pyspark starts (each event stamped when it ends)
+            self.gc.path.unlink(missing_ok=True)
+            os.environ["JAVA_TOOL_OPTIONS"] = f"-Xlog:gc:file={self.gc.path}:utctime"
         conf = default_spark_conf(str(self.project), str(self.warehouse), str(self.metastore), None, self.params())
         self.spark = spark_session(conf)
 
@@ -213,6 +228,7 @@ class Bench:
         out = {}
         for r in getattr(res.result, "results", None) or []:
             name = r.node.name.split("__")[0]
+            self.windows[kind][name] = execute_window(r)
             if str(r.status) not in ("success", "RunStatus.Success"):
                 self.problem(f"dbt run {kind} {r.node.name}: {r.status}: {r.message}")
                 continue
@@ -258,6 +274,42 @@ class Bench:
         self.problems.append(msg)
         bar = "!" * 78
         print(f"\n{bar}\n!! {msg}\n{bar}\n", flush=True)
+
+
+def execute_window(result) -> Optional[tuple]:
+    """(start, end) in epoch seconds of a dbt node result's execute step."""
+    for t in getattr(result, "timing", None) or []:
+        if t.name == "execute" and t.started_at and t.completed_at:
+            return tuple((x if x.tzinfo else x.replace(tzinfo=dt.timezone.utc)).timestamp()
+                         for x in (t.started_at, t.completed_at))
+    return None
+
+
+class GcLog:
+    """The JVM's unified GC log (-Xlog:gc with utctime): pauses ("Pause Young
+    ...  12.3ms") and concurrent cycles ("Concurrent Mark Cycle 45.6ms"), each
+    line stamped when the event ended."""
+
+    LINE = re.compile(r"^\[(\S+)\].*?GC\(\d+\) (Pause|Concurrent)\b.*?(\d+(?:\.\d+)?)ms\s*$")
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def events(self) -> list:
+        out = []
+        text = self.path.read_text() if self.path.exists() else ""
+        for line in text.splitlines():
+            m = self.LINE.match(line)
+            if m:
+                end = dt.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
+                out.append((m.group(2), end - float(m.group(3)) / 1000, end))
+        return out
+
+    def within(self, start: float, end: float) -> list:
+        got = {"Pause": 0.0, "Concurrent": 0.0}
+        for kind, a, b in self.events():
+            got[kind] += max(0.0, min(b, end) - max(a, start))
+        return [round(got["Pause"], 3), round(got["Concurrent"], 3)]
 
 
 def run_size(b: Bench, rows: int, out: list, save=lambda: None) -> None:
@@ -338,7 +390,9 @@ def run_size(b: Bench, rows: int, out: list, save=lambda: None) -> None:
                        mv=inc[s.name][0], table=plain[s.name][0], full=full[s.name][0] if full else None,
                        read_mv=reads[s.name][0], read_table=reads[s.name][1],
                        code=resp.get("code"), reason=resp.get("reason"), write=resp.get("state_write"),
-                       full_code=full[s.name][1].get("code") if full else None)
+                       full_code=full[s.name][1].get("code") if full else None,
+                       **({"gc_mv": b.gc_seconds("mv", s.name), "gc_table": b.gc_seconds("table", s.name)}
+                          if b.gc is not None else {}))
             print(f"  {fraction:.2%} round {rep + 1}: " + ", ".join(
                 f"{n} {inc[n][1].get('code', '?')[:4]} {inc[n][0]:.1f}/{plain[n][0]:.1f}s" for n in inc
                 if n in plain), flush=True)

@@ -25,7 +25,7 @@ from dbt_ivm.refresh.facts import PROP_KIND, PROP_LAYOUT, PROP_STATE, PROP_VIEW
 from dbt_ivm.executor import Executor
 from dbt_ivm.refresh.log import user_metadata
 from dbt_ivm.refresh.values import INCREMENTAL, NOOP, PARTITION, Decision
-from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, read_watermark, state_history
+from dbt_ivm.refresh.watermark import MAINTENANCE_MARK, Watermark, carried_incremental, read_watermark, state_history
 from dbt_ivm.projection import SOURCE
 from dbt_ivm.sqltree import aliased, create_view as create_view_statement, insert, render, select, table
 from dbt_ivm.sqltree import set_properties as set_properties_statement, unset_properties
@@ -245,7 +245,9 @@ def watermark(ctx: Context, decision: Decision, sig: str, types: dict, sums: dic
         change_feed=ctx.settings.change_feed, run=ctx.run_id, deletion_vectors=ctx.settings.deletion_vectors,
         recomputed=written.recomputed, thin=written.thin, layout=ctx.settings.layout, started=ctx.started,
         settled=written.settled,
-        rebuild_seconds=old.costs.get("full") if old is not None else None, units=written.units, ones=written.ones,
+        rebuild_seconds=old.costs.get("full") if old is not None else None,
+        incremental_seconds=carried_incremental(old.costs) if old is not None else None,
+        units=written.units, ones=written.ones,
         keyed_layers=True, changes=choice.changes if decision.strategy == INCREMENTAL else None,
         view=written.view_key if written.view_key is not None else (old.view if old else ""),
         replaced=written.replaced if decision.strategy == PARTITION else None,

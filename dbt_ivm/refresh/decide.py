@@ -299,7 +299,8 @@ def cheapest(candidates: list, est: dict, costs: dict, changes: Optional[int] = 
     for cost, INCREMENTAL is taken to measure it anew — if it is estimated
     within RETRY_WITHIN of the cheapest (a gap wider than any one-off slowness
     is not worth paying again; the measurement ages out of the 20 commits
-    read, and INCREMENTAL is tried again then) and the change (``changes``
+    read and the CARRY_REFRESHES after them it is carried, and INCREMENTAL
+    is tried again then: watermark.measured_costs) and the change (``changes``
     rows) is within RETRY_GROWTH of the largest measured (of SMALL_CHANGE
     with none measured among the commits read: _retry). For a change of more
     than BROADCAST_ROWS, with none that large measured (_beyond_measured),

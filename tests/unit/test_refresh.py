@@ -642,6 +642,49 @@ def test_the_newest_rebuild_cost_is_carried_past_the_commits_read():
     assert "full" not in measured_costs([(1, t0, *[None] * 11, wm.to_json().replace('"rebuild_seconds":5.9', '"x":1'))])
 
 
+
+def test_the_newest_incremental_cost_is_carried_past_the_commits_read():
+    """An expensive incremental refresh, once its commit left the 20 read,
+    is still weighed: each watermark carries it, one refresh older, so the
+    cost rule keeps rebuilding rather than bet on the optimistic prior again
+    (measured at 10 M rows: a MIN/MAX aggregate whose measurement had aged out
+    was estimated from the prior at 4.8 s against a 6.1 s rebuild and took
+    21.8 s) — for CARRY_REFRESHES refreshes, then the prior may bet again."""
+    import datetime as d
+
+    import dataclasses
+
+    from dbt_ivm.refresh import commit
+    from dbt_ivm.refresh.context import Written
+    from dbt_ivm.refresh.decide import cheapest, estimates
+    from dbt_ivm.refresh.values import Decision
+    from dbt_ivm.refresh.watermark import CARRY_REFRESHES, measured_costs
+    from tests.unit.contexts import context
+
+    t0 = d.datetime(2026, 1, 1, 12, 0, 0)
+    rebuilt = Reason("REBUILD_CHEAPER", "a rebuild is estimated cheaper")
+    costs = {"full": 6.1, "incremental": (21.8, 900), "incremental_points": [(21.8, 900)], "rebuilt": 20}
+    seen, written = [], []
+    for _ in range(CARRY_REFRESHES + 2):
+        before = globals()["wm"]()
+        before.costs = costs
+        ctx = dataclasses.replace(context(None, watermark=before), started=t0.timestamp())
+        wm = commit.watermark(ctx, Decision("FULL", rebuilt), "sig", {}, {}, Written())
+        written.append(wm)
+        history = [(60 - i, t0 + d.timedelta(seconds=6), *[None] * 11, wm.to_json()) for i in range(20)]
+        costs = measured_costs(history)
+        est = estimates(costs, 1000, rows=10_000_000)
+        seen.append((cheapest(["INCREMENTAL", "FULL"], est, costs, 1000)[0], round(est["INCREMENTAL"][0], 1)))
+    # carried: the measurement, not the prior, and a rebuild every time it is carried
+    assert seen[:CARRY_REFRESHES] == [("FULL", 21.8)] * CARRY_REFRESHES
+    # then dropped: the prior's estimate, which a retry takes to measure anew
+    assert seen[CARRY_REFRESHES][1] < 6.1 and seen[CARRY_REFRESHES][0] == "INCREMENTAL"
+    # a watermark without it (written before it was carried): nothing to weigh, the prior
+    carrying = written[0].to_json()
+    assert '"incremental_seconds":[21.8,900,0]' in carrying
+    assert "incremental" not in measured_costs(
+        [(1, t0, *[None] * 11, carrying.replace('"incremental_seconds":[21.8,900,0]', '"x":1'))])
+
 def _plan(sql):
     from dbt_ivm.catalog import Catalog
     from dbt_ivm.plan import build_plan
