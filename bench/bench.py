@@ -381,6 +381,10 @@ def run_size(b: Bench, rows: int, out: list, save=lambda: None) -> None:
                 full = b.dbt("mv", "--full-refresh")
                 for s in b.shapes:  # untimed: the state's new snapshot loaded, as the read above did the table's
                     b.sql(f"select count(*) from {b.relation(s.name, 'mv')}")
+                # untimed: the tables commit twice a round too. Delta checkpoints every 10th commit,
+                # ~1 s at 1 M rows; with the --full-refresh's commit the states reached one every 5
+                # rounds and the tables every 10 (gc-1m: every refresh of that round ~1 s over)
+                b.dbt("table")
             for s in b.shapes:
                 if s.name not in inc or s.name not in plain or (rep < args.full_repeats and s.name not in full):
                     continue

@@ -12,12 +12,18 @@ benchmark's sources, written as
   multiplicity column, sources pinned (a plain-row model's rebuild);
 - ``state, latest``: the same reading the latest versions;
 - ``state, replaced``: ``CREATE OR REPLACE`` of the state table, sources pinned
-  (the form of a rebuild whose state's schema changed).
+  (the form of a rebuild whose state's schema changed);
+- ``state, computed first``: ``state``, with the sources' and the state's
+  snapshot state computed first (delta_log.snapshot_state, inside the clock:
+  what a refresh's rebuild does, refresher.ready_sources).
 
 Per round: change the sources by ``--change`` (bench/shapes.py's mix), read
 their new snapshots once (``Data.warm``), then run each form once, rotating
-which goes first. Prints each round and the medians. Not the product's code
-path (no watermark, no commit options): the statements alone.
+which goes first. Prints each round and the medians: of all rounds, and of
+the rounds where the form ran first after the change and where it ran later
+(whatever the first statement after a change pays, a median over rotated
+rounds hides). Not the product's code path (no watermark, no commit options):
+the statements alone.
 
     ./run rebuild-forms 1e6 --rounds 10
 """
@@ -69,6 +75,10 @@ def main() -> None:
     p.add_argument("--shape", default="join_proj", choices=sorted(BY_NAME))
     p.add_argument("--change", type=float, default=0.001)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--warm-scan", action="store_true", help="after each change, read every row of the changed tables too")
+    p.add_argument("--sync", action="store_true", help="after each change, flush the OS's written pages (os.sync)")
+    p.add_argument("--settle", type=float, default=0.0, help="seconds to wait after each change before the forms run")
+    p.add_argument("--forms", help="the forms to run, separated by semicolons (default: all)")
     p.add_argument("--driver-memory", default="8g")
     a = p.parse_args()
 
@@ -91,28 +101,50 @@ def main() -> None:
         "state, latest": lambda: f"insert overwrite table {SCHEMA}.s_latest {query(shape, None, True)}",
         "state, replaced": lambda: f"create or replace table {SCHEMA}.s_replaced using delta {STATE_PROPS} as "
                                    f"{query(shape, versions(), True)}",
+        "state, computed first": lambda: f"insert overwrite table {SCHEMA}.s_ready {query(shape, versions(), True)}",
     }
-    for t in ("s_pinned", "s_latest"):
+    from dbt.adapters.spark_ivm.delta_log import snapshot_state
+
+    before = {"state, computed first": lambda: [snapshot_state(sql.spark, t) for t in
+                                                [data.t(s) for s in sources] + [f"{SCHEMA}.s_ready"]]}
+    if a.forms:
+        wanted = [f.strip() for f in a.forms.split(";")]
+        unknown = [f for f in wanted if f not in forms]
+        if unknown or "table" not in wanted:
+            p.error(f"--forms: {', '.join(unknown) or 'table is the baseline'}; known: {', '.join(forms)}")
+        forms = {k: forms[k] for k in wanted}
+    for t in ("s_pinned", "s_latest", "s_ready"):
         sql(f"create or replace table {SCHEMA}.{t} using delta {STATE_PROPS} as {query(shape, None, True)}")
     for build in forms.values():  # once untimed: the JVM's first run of each is slower
         sql(build())
     names = list(forms)
     times: dict = {k: [] for k in names}
+    first: dict = {k: [] for k in names}  # the rounds where the form ran first after the change
     for r in range(a.rounds):
         data.change(a.change)
-        data.warm()
-        for k in names[r % len(names):] + names[:r % len(names)]:
+        data.warm(a.warm_scan, a.sync)
+        time.sleep(a.settle)
+        for i, k in enumerate(names[r % len(names):] + names[:r % len(names)]):
             statement = forms[k]()  # (versions read before the clock starts)
             t0 = time.perf_counter()
+            before.get(k, lambda: None)()
             sql(statement)
             times[k].append(time.perf_counter() - t0)
+            first[k].append(i == 0)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in times.items()), flush=True)
+
+    def med(xs: list) -> str:
+        return f"{statistics.median(xs):5.2f}" if xs else "    -"
+
     base = statistics.median(times["table"])
     print(f"\n{int(a.rows):,} rows, {a.shape}, change {a.change:.2%}, {a.rounds} rounds; medians (s):")
+    print(f"  {'form':22} {'all':>5}  {'of the table':>12}  {'first':>5}  {'later':>5}")
     for k, v in times.items():
         m = statistics.median(v)
-        print(f"  {k:16} {m:5.2f}  {m / base:4.2f}× the table  (min {min(v):.2f}, max {max(v):.2f})")
-
+        ran_first = [t for t, f in zip(v, first[k]) if f]
+        later = [t for t, f in zip(v, first[k]) if not f]
+        print(f"  {k:22} {m:5.2f}  {m / base:11.2f}x  {med(ran_first)}  {med(later)}"
+              f"  (min {min(v):.2f}, max {max(v):.2f})")
 
 if __name__ == "__main__":
     main()

@@ -16,4 +16,9 @@ def scratch_sql(prefix: str, driver_memory: str) -> Callable[[str], list]:
     conf["spark.driver.memory"] = driver_memory
     conf["spark.sql.shuffle.partitions"] = "8"
     spark = spark_session(conf)
-    return lambda q: spark.sql(q).collect()
+
+    def sql(q: str) -> list:
+        return spark.sql(q).collect()
+
+    sql.spark = spark  # for the scripts that call the adapter's log helpers (rebuild_forms.py)
+    return sql

@@ -13,6 +13,8 @@ be written for an insert-only change, as a hand-written dbt ``incremental`` mode
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -161,7 +163,7 @@ class Data:
         self.sql(f"create table {self.t('orders')} {props} as {self._orders(1, self.n_orders + 1)}")
         self.sql(f"create table {self.t('lineitem')} {props} as {self._lines(1, self.n_orders + 1)}")
 
-    def warm(self) -> None:
+    def warm(self, scan: bool = False, sync: bool = False) -> None:
         """Read the changed tables' new snapshots once, so neither the
         incremental_mv nor the table that runs after it pays Delta's snapshot
         update for the new commits (whichever ran first used to): a
@@ -171,6 +173,10 @@ class Data:
         for table, key in (("lineitem", "l_orderkey"), ("orders", "o_orderkey")):
             self.sql(f"select count(*) from {self.t(table)}")
             self.sql(f"select count(*) from {self.t(table)} where {key} < 0")
+            if scan:
+                self.sql(f"select sum(hash(*)) from {self.t(table)}")
+        if sync:
+            os.sync()
 
     def _orders(self, lo: int, hi: int) -> str:
         return f"""
