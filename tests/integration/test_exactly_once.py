@@ -78,58 +78,84 @@ def _drive(project: Path, *args: str, kill_after: float = 0.0) -> dict:
     return result
 
 
+# The kills the crash test makes, in order: a failpoint (DBT_IVM_FAILPOINT:
+# "<point>" fires in the first model dbt refreshes, "<point>:<relation>" in that
+# one) and the model it stops in, or a kill at a time (whatever is in flight).
+# agg's refresh is a MERGE, sums' an append of a layer. DBT_IVM_CRASH_KILLS picks
+# some of them, in this order (./run test: three).
+KILLS = {
+    "merge_before_commit": ("before_commit", "agg"),
+    "merge_after_commit": ("after_commit", "agg"),
+    "append_before_commit": ("before_commit:out.sums", "sums"),
+    "append_after_commit": ("after_commit:out.sums", "sums"),
+    "timed": ("", None),
+}
+MODELS = ("agg", "bag", "sums")  # the order dbt refreshes them in (one thread)
+
+
+def _kills() -> list[str]:
+    wanted = [k.strip() for k in os.environ.get("DBT_IVM_CRASH_KILLS", "").split(",") if k.strip()]
+    unknown = set(wanted) - set(KILLS)
+    if unknown:
+        raise ValueError(f"DBT_IVM_CRASH_KILLS: unknown kills {sorted(unknown)}; known: {', '.join(KILLS)}")
+    return [k for k in KILLS if not wanted or k in wanted]
+
+
+def _rerun_after(kill: str | None) -> dict | None:
+    """What the rerun after a kill does, model by model: the models refreshed
+    before the killed one had committed the window (NOOP), the killed one
+    applies it unless it was killed after its commit, the later ones apply it.
+    None after a kill at a time (it depends on what was in flight)."""
+    if kill is None:  # no kill: the window is applied as usual
+        return dict.fromkeys(MODELS, "INCREMENTAL")
+    point, model = KILLS[kill]
+    if model is None:
+        return None
+    at = MODELS.index(model)
+    return {m: "NOOP" if i < at or (i == at and point.startswith("after_commit")) else "INCREMENTAL"
+            for i, m in enumerate(MODELS)}
+
+
 def test_killed_refreshes_rerun_exactly(tmp_path):
-    """One project through five kills in a row, each followed by a rerun in a new
-    JVM over the same embedded metastore: killed before the commit (the rerun
+    """One project through a row of kills (KILLS), each followed by a rerun in a
+    new JVM over the same embedded metastore: killed before a commit (the rerun
     applies the window), right after it (the rerun has nothing left to apply:
     NOOP), for the MERGE path (agg, the first model dbt runs) and the append
-    path (sums, the last), then at a time (whatever was in flight). Every rerun
-    must leave each model equal to a full recompute, and each state must hold
-    exactly one write per change window: none lost, none applied twice."""
+    path (sums, the last), and at a time. Every rerun must leave each model
+    equal to a full recompute, and each state must hold exactly one write per
+    change window: none lost, none applied twice."""
     project = tmp_path / "crash"
     _project(project)
-    every = {"agg": True, "bag": True, "sums": True}
-    incremental = {"agg": "INCREMENTAL", "bag": "INCREMENTAL", "sums": "INCREMENTAL"}
+    every = dict.fromkeys(MODELS, True)
+    previous = None
+    for i, kill in enumerate(_kills()):
+        point, _ = KILLS[kill]
+        # the step reruns what the previous kill left, changes the source (the
+        # next window) and starts the run this kill stops; a kill at a time
+        # comes a few seconds into it (parsing, or a refresh in flight; on a
+        # fast machine perhaps already done: the checks hold either way)
+        step = _drive(project, "run", point, kill_after=0.0 if point else 4.0)
+        if i == 0:  # the first step builds, then applies window 1
+            assert step.get("build") == dict.fromkeys(MODELS, "CREATE") and step["build_ok"], step
+        assert step["rerun_ok"] and step["equal"] == every, (kill, step)
+        expected = _rerun_after(previous)
+        assert expected is None or step["rerun"] == expected, (kill, previous, step)
+        if point:
+            assert step["killed"], (kill, step)  # the failpoint really fired
+        previous = kill
 
-    first = _drive(project, "run", "before_commit")  # builds, applies window 1; window 2 in flight
-    assert first.get("build") == {"agg": "CREATE", "bag": "CREATE", "sums": "CREATE"} and first["build_ok"], first
-    assert first["rerun"] == incremental and first["equal"] == every, first
-    assert first["killed"], first  # the failpoint really fired
-
-    second = _drive(project, "run", "after_commit")  # window 3 in flight
-    assert second["killed"], second
-    # killed before agg's commit, the first model: window 2 is applied by the rerun
-    assert second["rerun_ok"] and second["rerun"] == incremental, second
-    assert second["equal"] == every, second
-
-    third = _drive(project, "run", "before_commit:out.sums")  # window 4 in flight
-    assert third["killed"], third
-    # agg's MERGE of window 3 committed right before the kill: nothing left for it
-    assert third["rerun_ok"] and third["rerun"]["agg"] == "NOOP", third
-    assert third["rerun"]["sums"] == "INCREMENTAL" and third["equal"] == every, third
-
-    fourth = _drive(project, "run", "after_commit:out.sums")  # window 5 in flight
-    assert fourth["killed"], fourth
-    # sums was killed before its append of window 4 committed; agg and bag ran before it
-    assert fourth["rerun_ok"] and fourth["rerun"] == {"agg": "NOOP", "bag": "NOOP", "sums": "INCREMENTAL"}, fourth
-    assert fourth["equal"] == every, fourth
-
-    # window 6, killed a few seconds into its run (parsing, or a refresh in flight;
-    # on a fast machine perhaps already done: the checks hold either way)
-    fifth = _drive(project, "run", "", kill_after=4.0)
-    # sums' append of window 5 committed right before the kill: nothing left for it
-    assert fifth["rerun_ok"] and fifth["rerun"] == {"agg": "NOOP", "bag": "NOOP", "sums": "NOOP"}, fifth
-    assert fifth["equal"] == every, fifth
-
-    v = _drive(project, "verify")  # recovers window 6, then applies window 7 normally
+    v = _drive(project, "verify")  # reruns what the last kill left, then applies one more window
     assert v["rerun_ok"] and v["equal"] == every, v
+    expected = _rerun_after(previous)
+    assert expected is None or v["rerun"] == expected, v
     assert v["again_ok"] and set(v["again"].values()) == {"INCREMENTAL"}, v
     assert v["equal_again"] == every, v
     assert v["test_ok"], v
     # one write per change window into each state: none lost, none applied twice
-    assert v["windows"] == 7 and v["operations"].count("MERGE") == 7, v
+    windows = len(_kills()) + 2
+    assert v["windows"] == windows and v["operations"].count("MERGE") == windows, v
     # (sums' layers are compacted now and then: overwrites, which change no sum)
-    assert v["sums_operations"].count(["WRITE", "Append"]) == 7, v
+    assert v["sums_operations"].count(["WRITE", "Append"]) == windows, v
 
 
 @pytest.mark.parametrize("layout", ["merge", "append", "partition"])

@@ -186,7 +186,12 @@ def test_concurrent_dbt_processes_apply_each_change_once(tmp_path):
     assert "NOOP/CONCURRENT_REFRESH" in lost, seen
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.3, 1.5])
+# when the client dies, in seconds after the refresh's write was sent (0: just
+# before it); DBT_IVM_THRIFT_KILL_DELAYS picks some (./run test: one)
+KILL_DELAYS = [float(d) for d in os.environ.get("DBT_IVM_THRIFT_KILL_DELAYS", "0,0.3,1.5").split(",") if d.strip()]
+
+
+@pytest.mark.parametrize("delay", KILL_DELAYS)
 def test_connection_lost_mid_refresh_leaves_nothing_half_applied(tmp_path, delay):
     """The dbt process is killed just before its write (0.0) or while the
     server runs it (0.3 s, 1.5 s after the statement was sent): the server's
