@@ -135,7 +135,7 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}")
     # what Bench reads
-    a.resume = False
+    a.resume, a.gc_log = False, False
     return a
 
 
