@@ -47,7 +47,8 @@ SCALING_CHANGE = 10_000
 RESULTS = HERE / "results"
 CURRENT = ("s26_small.json", "s26_10m.json", "grid-100m.json", "s44_10m_grid.json",
            "s44_10m_10pct.json", "s45_1m.json", "s45_100m.json", "s46_1m_grid.json",
-           "s46_10m.json", "s46_100k.json")
+           "s46_10m.json", "s46_100k.json", "s47_1m.json",
+           "s47_100m_001.json")
 # The fallback chain on a partitioned source (bench/partition.py): file, the command that made it.
 PARTITION_CURRENT = (
     ("partition-1m-s22c.json", "./run bench-partition (1 M rows over 30 days, 5 timed rounds per change: "
