@@ -124,13 +124,17 @@ def parse_args() -> argparse.Namespace:
                    help="ivm_policy of the models (incremental: the incremental path whatever auto would choose)")
     p.add_argument("--layout", default="auto", choices=("auto", "merge", "append"),
                    help="ivm_state_layout of the models (default auto)")
-    p.add_argument("--kind", default="mv", choices=("mv", "table"),
-                   help="which models each round runs: the incremental_mv (default) or the plain tables, "
-                        "the same breakdown of what the user would run instead (its statements are dbt's: "
-                        "their time is in 'outside Spark', their jobs' in the jobs column)")
+    p.add_argument("--kind", default="mv",
+                   help="which models each round runs, comma-separated: mv (the incremental_mv, the default), "
+                        "table (the plain table: the same breakdown of what the user would run instead; its "
+                        "statements are dbt's, their time is in 'outside Spark', their jobs' in the jobs column), "
+                        "or mv,table (both, in the same rounds, the order alternating round by round)")
     a = p.parse_args()
     a.rows = size_arg(a.rows)
     a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
+    a.kinds = [k.strip() for k in a.kind.split(",") if k.strip()]
+    if not a.kinds or any(k not in ("mv", "table") for k in a.kinds) or len(set(a.kinds)) < len(a.kinds):
+        p.error(f"--kind {a.kind!r}: give mv, table or mv,table")
     unknown = [s for s in a.shapes if s not in BY_NAME]
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}")
@@ -155,18 +159,21 @@ def main() -> None:
     ui = Ui(b.spark)
     data = Data(b.sql, a.rows)
     data.create()
-    b.dbt(a.kind)
+    for kind in a.kinds:
+        b.dbt(kind)
     data.change(0.001)
-    b.dbt(a.kind)  # warm-up: the first refresh after a build
+    for kind in a.kinds:
+        b.dbt(kind)  # warm-up: the first refresh after a build
     runs = []
     for rep in range(a.repeats):
         data.change(a.change_rows / a.rows)
         data.warm()
-        for shape in [s.name for s in b.shapes]:
+        kinds = a.kinds if rep % 2 == 0 else a.kinds[::-1]
+        for shape, kind in [(s.name, k) for s in b.shapes for k in kinds]:
             since = int(time.time() * 1000)
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                seconds, response = _one(b, shape, a.kind)
+                seconds, response = _one(b, shape, kind)
             until = int(time.time() * 1000)
             ran = statements(printed.getvalue())
             by = defaultdict(float)
@@ -174,10 +181,10 @@ def main() -> None:
                 by[category(text)] += secs
             by["outside Spark"] = max(0.0, seconds - sum(by.values()))
             n_jobs, jobs, job_detail = ui.jobs(since, until)
-            runs.append({"shape": shape, "repeat": rep, "seconds": seconds, "code": response.get("code"),
+            runs.append({"shape": shape, "kind": kind, "repeat": rep, "seconds": seconds, "code": response.get("code"),
                          "reason": response.get("reason"), "statements": len(ran), "jobs": jobs, "n_jobs": n_jobs,
                          **{k: by.get(k, 0.0) for k in CATEGORIES}, "detail": ran, "job_detail": job_detail})
-            print(f"  round {rep + 1} {shape}: {seconds:.2f}s {response.get('code')} "
+            print(f"  round {rep + 1} {shape} {kind}: {seconds:.2f}s {response.get('code')} "
                   f"({len(ran)} statements, {n_jobs} jobs {jobs:.2f}s)", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{a.name}.json"
@@ -204,14 +211,13 @@ def _one(b: Bench, shape: str, kind: str) -> tuple:
 
 def summary(runs: list) -> str:
     """Medians per shape: model time, its split, Spark job time, statements."""
-    lines = ["| shape | strategy | model s | " + " | ".join(CATEGORIES) + " | of which Spark jobs | statements |",
-             "|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|"]
-    shapes = sorted({r["shape"] for r in runs})
-    for shape in shapes:
-        rs = [r for r in runs if r["shape"] == shape]
+    lines = ["| shape | kind | strategy | model s | " + " | ".join(CATEGORIES) + " | of which Spark jobs | statements |",
+             "|---|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|"]
+    for shape, kind in sorted({(r["shape"], r.get("kind", "mv")) for r in runs}):
+        rs = [r for r in runs if r["shape"] == shape and r.get("kind", "mv") == kind]
         med = {k: statistics.median(r[k] for r in rs) for k in ("seconds", "jobs", "statements", *CATEGORIES)}
         codes = ", ".join(sorted({str(r["code"]) for r in rs}))
-        lines.append(f"| {shape} | {codes} | {med['seconds']:.2f} | "
+        lines.append(f"| {shape} | {kind} | {codes} | {med['seconds']:.2f} | "
                      + " | ".join(f"{med[k]:.2f}" for k in CATEGORIES)
                      + f" | {med['jobs']:.2f} | {med['statements']:.0f} |")
     return "\n".join(lines)
