@@ -111,12 +111,25 @@ def statements(printed: str) -> list:
     return out
 
 
+def dirty_kb() -> int:
+    """The OS's written pages not yet on disk (/proc/meminfo Dirty + Writeback), kB; 0 where unknown."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return sum(int(info[k].split()[0]) for k in ("Dirty", "Writeback"))
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="10m")
     p.add_argument("--shapes", default=GRID_SHAPES)
     p.add_argument("--change-rows", type=int, default=10, help="lineitem rows changed per round (default 10)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sync", action="store_true",
+                   help="after each change, flush the OS's written pages (os.sync, untimed; the seconds it took "
+                        "and the dirty pages it found are saved with the round), so neither side pays the change's "
+                        "writeback (at 100 M rows ~550 MiB, flushed in 0.3 s here: docs/NOTES.md section 7)")
     p.add_argument("--driver-memory", default="8g")
     p.add_argument("--shuffle-partitions", default="8")
     p.add_argument("--name", default="fixed-cost")
@@ -168,6 +181,13 @@ def main() -> None:
     for rep in range(a.repeats):
         data.change(a.change_rows / a.rows)
         data.warm()
+        dirty = dirty_kb()
+        synced = time.perf_counter()
+        if a.sync:
+            os.sync()
+        synced = time.perf_counter() - synced
+        print(f"  round {rep + 1}: {dirty / 1024:.0f} MiB dirty after the change"
+              + (f", os.sync() {synced:.1f}s" if a.sync else ""), flush=True)
         kinds = a.kinds if rep % 2 == 0 else a.kinds[::-1]
         for shape, kind in [(s.name, k) for s in b.shapes for k in kinds]:
             since = int(time.time() * 1000)
@@ -181,7 +201,8 @@ def main() -> None:
                 by[category(text)] += secs
             by["outside Spark"] = max(0.0, seconds - sum(by.values()))
             n_jobs, jobs, job_detail = ui.jobs(since, until)
-            runs.append({"shape": shape, "kind": kind, "repeat": rep, "seconds": seconds, "code": response.get("code"),
+            runs.append({"shape": shape, "kind": kind, "repeat": rep, "dirty_kb": dirty,
+                         "sync_s": round(synced, 3) if a.sync else None, "seconds": seconds, "code": response.get("code"),
                          "reason": response.get("reason"), "statements": len(ran), "jobs": jobs, "n_jobs": n_jobs,
                          **{k: by.get(k, 0.0) for k in CATEGORIES}, "detail": ran, "job_detail": job_detail})
             print(f"  round {rep + 1} {shape} {kind}: {seconds:.2f}s {response.get('code')} "
